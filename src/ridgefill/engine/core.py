@@ -1,0 +1,199 @@
+"""The exact prefill engine: embed -> per layer (norm, q/k/v, RoPE, attention, o, MLP) -> norm.
+
+What it is: our own loop over the model's own modules, with rotary tables computed once,
+row subsets (queries carry positions), and logits only for the rows that need them. It fills a
+stock `DynamicCache`, so the unmodified model decodes from it. With nothing skipped it equals
+the stock forward (tests/test_engine_equivalence.py). What it is not: a fill method; those live
+in `ridgefill.methods` and reuse the pieces here.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from ridgefill.errors import PromptError
+from ridgefill.models import hf
+from ridgefill.models.loading import LoadedModel
+from ridgefill.ops.attention import apply_rope, attend
+
+RopeTables = dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class PrefillResult:
+    """What a prefill returns: a stock cache, logits for chosen rows, and its timing."""
+
+    cache: DynamicCache
+    logits: torch.Tensor  # (R, V) float32, one row per entry of logit_rows
+    logit_rows: torch.Tensor  # (R,) prompt positions the logits belong to
+    num_tokens: int
+    seconds: float
+    method: str
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / self.seconds if self.seconds > 0 else float("inf")
+
+
+class Engine:
+    """Runs a `LoadedModel`'s layers on chosen rows, borrowing its modules."""
+
+    def __init__(self, lm: LoadedModel):
+        self.lm = lm
+        self.parts = lm.parts
+        self.dtype = lm.dtype
+
+    # ----- pieces the fill methods reuse -----
+
+    def check_prompt(self, input_ids: torch.Tensor) -> int:
+        """Validate a (1, N) prompt; return N."""
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise PromptError(f"expected input_ids of shape (1, N), got {tuple(input_ids.shape)}")
+        n = int(input_ids.shape[1])
+        if n == 0:
+            raise PromptError("the prompt is empty")
+        if n > self.parts.context_length:
+            raise PromptError(
+                f"the prompt has {n} tokens but {self.lm.name} has a context of {self.parts.context_length}"
+            )
+        return n
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(1, N) -> (1, N, d); Gemma's embedding module applies its own scale."""
+        return self.parts.embed(input_ids).to(self.dtype)
+
+    def rope(self, n: int, like: torch.Tensor) -> RopeTables:
+        """cos/sin for positions 0..n-1, per layer type, each (1, n, head_dim)."""
+        position_ids = torch.arange(n, device=like.device)[None]
+        return hf.rotary_tables(self.parts, like, position_ids)
+
+    def project_kv(
+        self, layer_idx: int, x_normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values from a layer's normed input.
+
+        Args:
+            x_normed: (1, T, d), already through the layer's input norm.
+            cos, sin: (1, T, head_dim) for those rows.
+        Returns:
+            k, v: (1, H_kv, T, head_dim), k after k_norm and RoPE.
+        """
+        lp = self.parts.layers[layer_idx]
+        t = x_normed.shape[1]
+        k = lp.k_proj(x_normed).view(1, t, lp.num_kv_heads, lp.head_dim).transpose(1, 2)
+        v = lp.v_proj(x_normed).view(1, t, lp.num_kv_heads, lp.head_dim).transpose(1, 2)
+        if lp.k_norm is not None:
+            k = lp.k_norm(k)
+        return apply_rope(k, cos, sin), v
+
+    def project_q(self, layer_idx: int, x_normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """(1, T, d) normed input -> (1, H, T, head_dim) queries after q_norm and RoPE."""
+        lp = self.parts.layers[layer_idx]
+        t = x_normed.shape[1]
+        q = lp.q_proj(x_normed).view(1, t, lp.num_heads, lp.head_dim).transpose(1, 2)
+        if lp.q_norm is not None:
+            q = lp.q_norm(q)
+        return apply_rope(q, cos, sin)
+
+    def finish_layer(self, layer_idx: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Output projection, residuals and MLP.
+
+        Args:
+            h: (1, T, d) the layer's input rows.
+            attn: (1, H, T, head_dim) their attention output.
+        Returns:
+            (1, T, d) the next layer's input.
+        """
+        lp = self.parts.layers[layer_idx]
+        a = lp.o_proj(attn.transpose(1, 2).reshape(h.shape[0], h.shape[1], -1))
+        if lp.attn_out_norm is not None:
+            a = lp.attn_out_norm(a)
+        h = h + a
+        m = lp.mlp(lp.ffn_in_norm(h))
+        if lp.ffn_out_norm is not None:
+            m = lp.ffn_out_norm(m)
+        return h + m
+
+    def layer(
+        self,
+        layer_idx: int,
+        h: torch.Tensor,
+        pos: torch.Tensor,
+        tables: RopeTables,
+        extra_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Run one layer fully on rows `pos`, attending to their own K/V plus `extra_kv`.
+
+        Args:
+            h: (1, T, d) inputs of the rows at positions `pos` (T,), ascending.
+            tables: rotary tables for every prompt position.
+            extra_kv: (k, v, positions) of rows filled by other means, or None.
+        Returns:
+            (h_next (1, T, d), k_all, v_all (1, H_kv, T_all, hd), k_pos (T_all,)) with keys
+            of the union of rows in position order.
+        """
+        lp = self.parts.layers[layer_idx]
+        cos, sin = tables[lp.layer_type]
+        cos, sin = cos[:, pos], sin[:, pos]
+        x = lp.input_norm(h)
+        q = self.project_q(layer_idx, x, cos, sin)
+        k, v = self.project_kv(layer_idx, x, cos, sin)
+        k_pos = pos
+        if extra_kv is not None:
+            k, v, k_pos = merge_by_position((k, v, pos), extra_kv)
+        attn = attend(q, k, v, pos, k_pos, lp.scaling, lp.sliding_window)
+        return self.finish_layer(layer_idx, h, attn), k, v, k_pos
+
+    def logits(self, h_rows: torch.Tensor) -> torch.Tensor:
+        """(R, d) final-layer states -> (R, V) float32 logits (final norm, head, soft-cap)."""
+        out = self.parts.lm_head(self.parts.norm(h_rows)).float()
+        cap = self.parts.final_logit_softcap
+        if cap:
+            out = torch.tanh(out / cap) * cap
+        return out
+
+    def new_cache(self) -> DynamicCache:
+        return hf.new_cache(self.lm.model)
+
+    # ----- the exact path -----
+
+    @torch.inference_mode()
+    def prefill_exact(self, input_ids: torch.Tensor, logit_rows: torch.Tensor | None = None) -> PrefillResult:
+        """Every layer on every row: must equal the stock forward.
+
+        Args:
+            input_ids: (1, N).
+            logit_rows: positions whose logits to return; default the last one.
+        """
+        n = self.check_prompt(input_ids)
+        rows = torch.tensor([n - 1]) if logit_rows is None else logit_rows
+        t0 = time.perf_counter()
+        h = self.embed(input_ids)  # (1, N, d)
+        tables = self.rope(n, h)
+        pos = torch.arange(n)
+        cache = self.new_cache()
+        for i in range(self.parts.num_layers):
+            h, k, v, _ = self.layer(i, h, pos, tables)
+            hf.cache_update(cache, k, v, i)
+        logits = self.logits(h[0, rows])
+        return PrefillResult(cache, logits, rows, n, time.perf_counter() - t0, "exact")
+
+
+def merge_by_position(
+    a: tuple[torch.Tensor, torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Interleave two (k, v, pos) row sets into one, sorted by position.
+
+    k and v are (1, H, T, D); pos is (T,). The two position sets must be disjoint.
+    """
+    ka, va, pa = a
+    kb, vb, pb = b
+    pos, order = torch.sort(torch.cat([pa, pb]))
+    k = torch.cat([ka, kb], dim=2).index_select(2, order)
+    v = torch.cat([va, vb], dim=2).index_select(2, order)
+    return k, v, pos

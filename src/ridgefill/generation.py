@@ -1,0 +1,139 @@
+"""Prompt encoding and generation: our prefill, then the unmodified model decodes.
+
+What it is: `generate(lm, prompt, method=...)`. The chosen method fills a stock cache; every
+decode step is the stock transformers forward. What it is not: a server or a batcher (batch 1).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ridgefill.engine import Engine, PrefillResult
+from ridgefill.errors import PromptError, RidgefillError
+from ridgefill.methods import run_prefill
+from ridgefill.models import hf
+from ridgefill.models.loading import LoadedModel
+
+
+@dataclass
+class GenerationResult:
+    """Generated text with the prefill it came from."""
+
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    prefill: PrefillResult
+    ttft_s: float  # prefill plus choosing the first token
+    decode_s: float
+
+
+def encode_prompt(lm: LoadedModel, prompt: str, chat: bool = True, answer_prefix: str = "") -> torch.Tensor:
+    """Tokenise a prompt; with `chat`, wrap it in the model's chat template when it has one.
+
+    `answer_prefix` is appended inside the assistant turn (RULER's answer prefix).
+    Returns (1, N) token ids.
+    """
+    if not prompt or not prompt.strip():
+        raise PromptError("the prompt is empty")
+    tok = lm.tokenizer
+    if chat and getattr(tok, "chat_template", None):
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+        ids = tok(text + answer_prefix, add_special_tokens=False)["input_ids"]
+    else:
+        ids = tok(prompt + answer_prefix)["input_ids"]
+    return torch.tensor([ids], dtype=torch.long)
+
+
+def eos_ids(lm: LoadedModel) -> set[int]:
+    ids: set[int] = set()
+    for src in (lm.model.generation_config, lm.model.config):
+        e = getattr(src, "eos_token_id", None)
+        ids.update(e if isinstance(e, list) else [e] if e is not None else [])
+    return ids
+
+
+def _sampler(temperature: float, top_p: float, seed: int | None) -> Callable[[torch.Tensor], int]:
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise RidgefillError("temperature must be >= 0 and top_p in (0, 1]")
+    gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
+
+    def pick(logits: torch.Tensor) -> int:  # (V,) float32
+        if temperature == 0:
+            return int(logits.argmax())
+        probs = torch.softmax(logits / temperature, dim=-1)
+        if top_p < 1:
+            sorted_p, idx = probs.sort(descending=True)
+            keep = sorted_p.cumsum(-1) - sorted_p < top_p
+            probs = torch.zeros_like(probs).scatter(0, idx[keep], sorted_p[keep])
+        return int(torch.multinomial(probs, 1, generator=gen))
+
+    return pick
+
+
+@torch.inference_mode()
+def stream_tokens(
+    lm: LoadedModel,
+    input_ids: torch.Tensor,
+    prefill: PrefillResult,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+) -> Iterator[int]:
+    """Yield generated token ids: the first from the prefill's logits, the rest from stock decode."""
+    pick = _sampler(temperature, top_p, seed)
+    stops = eos_ids(lm)
+    cache = prefill.cache
+    tok = pick(prefill.logits[-1])
+    for step in range(max_new_tokens):
+        yield tok
+        if tok in stops or step == max_new_tokens - 1:
+            return
+        logits, cache = hf.stock_forward(lm.model, torch.tensor([[tok]]), cache)
+        tok = pick(logits[0, -1].float())
+
+
+def generate(
+    lm: LoadedModel,
+    prompt: str | torch.Tensor,
+    method: str = "exact",
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    chat: bool = True,
+    **method_kwargs: Any,
+) -> GenerationResult:
+    """Prefill with `method`, then decode with the unmodified model.
+
+    Args:
+        prompt: text (chat-templated when `chat` and the tokenizer has a template) or (1, N) ids.
+        method: a name from `ridgefill.methods.METHODS`.
+        method_kwargs: passed to the method (maps, split, tail, ...).
+    """
+    if max_new_tokens < 1:
+        raise RidgefillError("max_new_tokens must be at least 1")
+    ids = prompt if isinstance(prompt, torch.Tensor) else encode_prompt(lm, prompt, chat=chat)
+    n = int(ids.shape[1])
+    if n + max_new_tokens > lm.context_length:
+        raise PromptError(
+            f"the prompt has {n} tokens; with max_new_tokens={max_new_tokens} it exceeds "
+            f"{lm.name}'s context of {lm.context_length}"
+        )
+    engine = Engine(lm)
+    t0 = time.perf_counter()
+    pre = run_prefill(engine, ids, method, **method_kwargs)
+    out: list[int] = []
+    ttft = 0.0
+    for tok in stream_tokens(lm, ids, pre, max_new_tokens, temperature, top_p, seed):
+        if not out:
+            ttft = time.perf_counter() - t0
+        out.append(tok)
+    total = time.perf_counter() - t0
+    text = lm.tokenizer.decode(out, skip_special_tokens=True)
+    return GenerationResult(text, out, n, pre, ttft, total - ttft)

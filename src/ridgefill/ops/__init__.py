@@ -1,0 +1,1 @@
+"""Pure tensor functions: no transformers import, no model state."""

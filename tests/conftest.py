@@ -1,0 +1,64 @@
+"""Shared fixtures: tiny random-config models of every supported architecture, and SmolLM2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from ridgefill.models import hf
+from ridgefill.models.loading import LoadedModel
+
+# Hidden 64, 3 layers, GQA 4:2. Windows of 8 make the sliding masks bite on short prompts.
+_COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
+
+TINY_CONFIGS: dict[str, dict] = {
+    "llama": dict(model_type="llama"),
+    "mistral": dict(model_type="mistral", sliding_window=8),
+    "qwen2": dict(model_type="qwen2", use_sliding_window=False),
+    "qwen3": dict(model_type="qwen3"),
+    "gemma3_text": dict(
+        model_type="gemma3_text",
+        sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        query_pre_attn_scalar=16,
+        final_logit_softcapping=0.5,  # small, so a missing cap shows
+    ),
+}
+
+
+def make_tiny(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    from transformers import AutoConfig
+
+    spec = dict(TINY_CONFIGS[arch])
+    model_type = spec.pop("model_type")
+    cfg = AutoConfig.for_model(model_type, **_COMMON, **spec)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa").eval()
+    with torch.no_grad():  # random norms, so that a mix-up of norm weights cannot pass unseen
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return LoadedModel(model=model, tokenizer=None, name=f"tiny-{arch}", parts=hf.model_parts(model))
+
+
+@pytest.fixture(params=sorted(TINY_CONFIGS))
+def tiny(request) -> LoadedModel:
+    return make_tiny(request.param)
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> LoadedModel:
+    from ridgefill.models import load_model
+
+    return load_model("smollm2-135m")
