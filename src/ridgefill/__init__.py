@@ -1,8 +1,8 @@
 """ridgefill: faster LLM prefill without training.
 
-    import ridgefill
-    lm = ridgefill.load_model("smollm2-135m")
-    print(ridgefill.generate(lm, "Summarise ...", method="exact").text)
+import ridgefill
+lm = ridgefill.load_model("smollm2-135m")
+print(ridgefill.generate(lm, "Summarise ...", method="exact").text)
 """
 
 from ridgefill.engine import Engine, PrefillResult

@@ -42,7 +42,8 @@ def encode_prompt(lm: LoadedModel, prompt: str, chat: bool = True, answer_prefix
         raise PromptError("the prompt is empty")
     tok = lm.tokenizer
     if chat and getattr(tok, "chat_template", None):
-        text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+        messages = [{"role": "user", "content": prompt}]
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = tok(text + answer_prefix, add_special_tokens=False)["input_ids"]
     else:
         ids = tok(prompt + answer_prefix)["input_ids"]

