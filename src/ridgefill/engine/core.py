@@ -72,6 +72,16 @@ class Engine:
         position_ids = torch.arange(n, device=like.device)[None]
         return hf.rotary_tables(self.parts, like, position_ids)
 
+    def pre_rope_kv(self, layer_idx: int, x_normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(1, T, d) normed input -> k, v (1, H_kv, T, head_dim); k after k_norm, before RoPE."""
+        lp = self.parts.layers[layer_idx]
+        t = x_normed.shape[1]
+        k = lp.k_proj(x_normed).view(1, t, lp.num_kv_heads, lp.head_dim).transpose(1, 2)
+        v = lp.v_proj(x_normed).view(1, t, lp.num_kv_heads, lp.head_dim).transpose(1, 2)
+        if lp.k_norm is not None:
+            k = lp.k_norm(k)
+        return k, v
+
     def project_kv(
         self, layer_idx: int, x_normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,12 +93,7 @@ class Engine:
         Returns:
             k, v: (1, H_kv, T, head_dim), k after k_norm and RoPE.
         """
-        lp = self.parts.layers[layer_idx]
-        t = x_normed.shape[1]
-        k = lp.k_proj(x_normed).view(1, t, lp.num_kv_heads, lp.head_dim).transpose(1, 2)
-        v = lp.v_proj(x_normed).view(1, t, lp.num_kv_heads, lp.head_dim).transpose(1, 2)
-        if lp.k_norm is not None:
-            k = lp.k_norm(k)
+        k, v = self.pre_rope_kv(layer_idx, x_normed)
         return apply_rope(k, cos, sin), v
 
     def project_q(self, layer_idx: int, x_normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -14,15 +14,26 @@ import torch
 
 from ridgefill.engine import Engine, PrefillResult
 from ridgefill.errors import RidgefillError
+from ridgefill.methods.fill import FILL_METHODS, FillSettings, prefill_fill
 
 PrefillFn = Callable[..., PrefillResult]
 
-
-def _exact(engine: Engine, input_ids: torch.Tensor, **_: Any) -> PrefillResult:
-    return engine.prefill_exact(input_ids)
+__all__ = ["FILL_METHODS", "METHODS", "FillSettings", "get_method", "run_prefill"]
 
 
-METHODS: dict[str, PrefillFn] = {"exact": _exact}
+def _exact(engine: Engine, input_ids: torch.Tensor, logit_rows: torch.Tensor | None = None, **_: Any) -> PrefillResult:
+    return engine.prefill_exact(input_ids, logit_rows)
+
+
+def _fill(method: str) -> PrefillFn:
+    def run(engine: Engine, input_ids: torch.Tensor, **kwargs: Any) -> PrefillResult:
+        return prefill_fill(engine, input_ids, method=method, **kwargs)
+
+    run.__name__ = f"prefill_{method}"
+    return run
+
+
+METHODS: dict[str, PrefillFn] = {"exact": _exact, **{m: _fill(m) for m in FILL_METHODS}}
 
 
 def get_method(name: str) -> PrefillFn:

@@ -1,0 +1,1 @@
+"""Accuracy measurements: tail perplexity now; RULER retrieval with issue 4."""

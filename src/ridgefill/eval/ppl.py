@@ -1,0 +1,55 @@
+"""Tail perplexity: NLL of a prompt's last tokens under each method, paired against exact.
+
+What it is: for held-out documents cut to a given length, each method prefills the whole
+document and returns logits for the tail rows; the NLL of the tokens they predict is compared
+with exact's on the same documents. What it is not: RULER retrieval (see the eval issue).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from ridgefill.engine import Engine
+from ridgefill.methods import run_prefill
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A labelled way to prefill: a method name and its keyword arguments."""
+
+    label: str
+    method: str
+    kwargs: dict
+
+
+@torch.inference_mode()
+def tail_nll(engine: Engine, ids: list[int], spec: MethodSpec, tail: int) -> float:
+    """Mean NLL (nats) of the last `tail - 1` tokens of `ids`, predicted from the tail rows."""
+    x = torch.tensor([ids])
+    n = x.shape[1]
+    rows = torch.arange(n - tail, n - 1)
+    res = run_prefill(engine, x, spec.method, logit_rows=rows, **spec.kwargs)
+    return float(F.cross_entropy(res.logits, x[0, rows + 1]))
+
+
+def tail_ppl(engine: Engine, docs: list[list[int]], specs: list[MethodSpec], tail: int) -> list[dict]:
+    """Every method on every document; returns one row per method with NLL, PPL and delta vs exact."""
+    nll = {s.label: [] for s in specs}
+    for ids in tqdm(docs, desc="tail perplexity: documents", unit="doc"):
+        for s in specs:
+            nll[s.label].append(tail_nll(engine, ids, s, tail))
+    exact = sum(nll["exact"]) / len(docs) if "exact" in nll else None
+    rows = []
+    for s in specs:
+        mean = sum(nll[s.label]) / len(docs)
+        row = {"method": s.label, "length": len(docs[0]), "docs": len(docs), "tail": tail}
+        row.update(tail_nll=round(mean, 5), ppl=round(math.exp(mean), 4))
+        if exact is not None:
+            row["ppl_increase_pct"] = round(100 * (math.exp(mean - exact) - 1), 2)
+        rows.append(row)
+    return rows

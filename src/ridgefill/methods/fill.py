@@ -1,0 +1,154 @@
+"""Fill prefill: RidgeFill, identity fill and KVA projection.
+
+What it is: layers below the split run on every row. From the split state, the deep layers'
+K/V for bulk rows are filled cheaply, in a few fused GEMMs and no per-row loop:
+  - identity: the split state is every deep layer's input (through its own norm and K/V);
+  - ridge: a fitted map predicts every deep layer's input (then its own norm and K/V);
+  - kva: fitted maps predict every deep layer's pre-RoPE K and V directly.
+Full rows (the first `sink` tokens, the last `tail` tokens, massive-activation outliers) run
+every layer exactly, attending to the filled K/V. What it is not: a decoder; decode steps are
+the stock model reading the cache this fills.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ridgefill.engine import Engine, PrefillResult
+from ridgefill.errors import RidgefillError
+from ridgefill.fit.maps import FillMaps
+from ridgefill.fit.ridge import fit_rows
+from ridgefill.models import hf
+from ridgefill.ops.attention import apply_rope
+
+FILL_METHODS = ("identity", "ridge", "kva")
+
+
+@dataclass(frozen=True)
+class FillSettings:
+    """Where to split and which rows run fully.
+
+    Attributes:
+        split: layers [0, split) run on every row; deeper layers fill bulk rows.
+        sink: the first tokens, always full rows (attention sinks).
+        tail: the last tokens, always full rows (they hold the question and feed decode).
+        outlier_factor: bulk rows whose split-state norm exceeds this many times the median run
+            fully, matching the rows the fit left out; None disables.
+    """
+
+    split: int = 15
+    sink: int = 4
+    tail: int = 256
+    outlier_factor: float | None = 8.0
+
+    def check(self, num_layers: int) -> None:
+        if not 0 <= self.split <= num_layers:
+            raise RidgefillError(f"split {self.split} is outside 0..{num_layers}")
+        if self.sink < 0 or self.tail < 1:
+            raise RidgefillError("sink must be >= 0 and tail >= 1 (the last token always runs fully)")
+
+
+def full_rows(h_split: torch.Tensor, n: int, s: FillSettings) -> torch.Tensor:
+    """Sorted positions that run every layer: sinks, tail and (optionally) outliers. h_split: (n, d)."""
+    full = torch.zeros(n, dtype=torch.bool)
+    full[: s.sink] = True
+    full[max(0, n - s.tail) :] = True
+    if s.outlier_factor is not None:
+        full |= ~fit_rows(h_split, 0, s.outlier_factor)
+    return full.nonzero().squeeze(1)
+
+
+def _bulk_kv(
+    engine: Engine, method: str, x: torch.Tensor, pos: torch.Tensor, split: int, maps: FillMaps | None, tables
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """K/V of the bulk rows for every deep layer. x: (1, Nb, d) split states at positions `pos`."""
+    parts = engine.parts
+    out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    deep = list(range(split + 1, parts.num_layers))
+
+    def rope(i):
+        cos, sin = tables[parts.layers[i].layer_type]
+        return cos[:, pos], sin[:, pos]
+
+    # Layer `split` reads the split state itself: its bulk K/V are exact.
+    out[split] = engine.project_kv(split, parts.layers[split].input_norm(x), *rope(split))
+    if method == "identity":
+        for i in deep:
+            out[i] = engine.project_kv(i, parts.layers[i].input_norm(x), *rope(i))
+        return out
+    w, b = maps.stacked(x.dtype)
+    y = torch.addmm(b, x[0], w)  # (Nb, L_deep * out): every deep layer in one GEMM
+    width = y.shape[1] // len(deep)
+    for j, i in enumerate(deep):
+        yi = y[None, :, j * width : (j + 1) * width]  # (1, Nb, out)
+        if method == "ridge":
+            out[i] = engine.project_kv(i, parts.layers[i].input_norm(yi), *rope(i))
+        else:  # kva: (1, Nb, 2*H*hd) -> pre-RoPE K and V
+            lp = parts.layers[i]
+            k, v = yi.view(1, -1, 2, lp.num_kv_heads, lp.head_dim).unbind(2)
+            out[i] = apply_rope(k.transpose(1, 2), *rope(i)), v.transpose(1, 2).contiguous()
+    return out
+
+
+@torch.inference_mode()
+def prefill_fill(
+    engine: Engine,
+    input_ids: torch.Tensor,
+    method: str = "ridge",
+    maps: FillMaps | None = None,
+    settings: FillSettings | None = None,
+    logit_rows: torch.Tensor | None = None,
+    **_: object,
+) -> PrefillResult:
+    """Fill prefill of a (1, N) prompt; see the module docstring.
+
+    Args:
+        maps: fitted maps for `ridge`/`kva` (their split wins over `settings.split`).
+        logit_rows: positions whose logits to return (must be full rows); default the last.
+    """
+    if method not in FILL_METHODS:
+        raise RidgefillError(f"unknown fill method {method!r}; choose from {FILL_METHODS}")
+    s = settings or FillSettings()
+    if method != "identity":
+        if maps is None:
+            raise RidgefillError(f"method {method!r} needs fitted maps (`ridgefill fit`, then --maps)")
+        if maps.method != method:
+            raise RidgefillError(f"these maps are for {maps.method!r}, not {method!r}")
+        maps.check_model(engine.lm)
+        s = FillSettings(maps.split, s.sink, s.tail, s.outlier_factor)
+    parts = engine.parts
+    s.check(parts.num_layers)
+    n = engine.check_prompt(input_ids)
+    meta = {"settings": asdict(s)}
+    if s.split >= parts.num_layers - 1 or n <= s.sink + s.tail:
+        res = engine.prefill_exact(input_ids, logit_rows)
+        res.method = method
+        res.meta = {**meta, "ran_exact": True, "reason": "nothing to fill (short prompt or split at the top)"}
+        return res
+    t0 = time.perf_counter()
+    h = engine.embed(input_ids)
+    tables = engine.rope(n, h)
+    all_pos = torch.arange(n)
+    cache = engine.new_cache()
+    for i in range(s.split):
+        h, k, v, _ = engine.layer(i, h, all_pos, tables)
+        hf.cache_update(cache, k, v, i)
+    fpos = full_rows(h[0], n, s)
+    bulk = torch.ones(n, dtype=torch.bool)
+    bulk[fpos] = False
+    bpos = bulk.nonzero().squeeze(1)
+    filled = _bulk_kv(engine, method, h[:, bpos], bpos, s.split, maps, tables)
+    hfull = h[:, fpos]
+    for i in range(s.split, parts.num_layers):
+        hfull, k, v, _ = engine.layer(i, hfull, fpos, tables, extra_kv=(*filled.pop(i), bpos))
+        hf.cache_update(cache, k, v, i)
+    rows = torch.tensor([n - 1]) if logit_rows is None else logit_rows
+    idx = torch.searchsorted(fpos, rows)
+    if (idx >= len(fpos)).any() or not torch.equal(fpos[idx.clamp(max=len(fpos) - 1)], rows):
+        raise RidgefillError("logits were asked for rows that were filled, not run fully")
+    logits = engine.logits(hfull[0, idx])
+    meta.update(ran_exact=False, full_rows=len(fpos), bulk_rows=len(bpos))
+    return PrefillResult(cache, logits, rows, n, time.perf_counter() - t0, method, meta)

@@ -1,0 +1,157 @@
+"""Fill prefill: nothing skipped == exact; each fill path does what it says; map files are strict."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_tiny
+from ridgefill.engine import Engine
+from ridgefill.errors import MapError, RidgefillError
+from ridgefill.fit.maps import FillMaps, fingerprint, load_maps, save_maps
+from ridgefill.fit.ridge import FitConfig, fit_maps
+from ridgefill.methods import FillSettings, run_prefill
+from ridgefill.models import hf
+from ridgefill.ops.attention import apply_rope
+
+TEXT = (Path(__file__).parent / "data" / "calib.txt").read_text()
+
+
+def _byte_segments(n: int, length: int, offset: int = 0) -> list[list[int]]:
+    """Natural English as UTF-8 byte tokens: the tiny models have a 256-token vocabulary."""
+    data = list(TEXT.encode())
+    return [data[offset + i * length : offset + (i + 1) * length] for i in range(n)]
+
+
+def _ids(n: int) -> torch.Tensor:
+    return torch.tensor(_byte_segments(1, n, offset=777))
+
+
+def _assert_same(a, b, num_layers):
+    torch.testing.assert_close(a.logits, b.logits, atol=1e-4, rtol=0)
+    for i in range(num_layers):
+        for x, y in zip(hf.cache_kv(a.cache, i), hf.cache_kv(b.cache, i), strict=True):
+            torch.testing.assert_close(x, y, atol=1e-4, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    lm = make_tiny("llama")
+    maps, report = fit_maps(lm, _byte_segments(6, 96), _byte_segments(2, 96, offset=6000), FitConfig(splits=(1,), segment_tokens=96))
+    return lm, {m.method: m for m in maps}, report
+
+
+def test_split_at_top_equals_exact(tiny):
+    ids = _ids(40)
+    eng = Engine(tiny)
+    res = run_prefill(eng, ids, "identity", settings=FillSettings(split=tiny.num_layers, sink=2, tail=4))
+    assert res.meta["ran_exact"]
+    _assert_same(res, eng.prefill_exact(ids), tiny.num_layers)
+
+
+def test_tail_covering_prompt_equals_exact(tiny):
+    ids = _ids(30)
+    eng = Engine(tiny)
+    res = run_prefill(eng, ids, "identity", settings=FillSettings(split=1, sink=2, tail=30))
+    assert res.meta["ran_exact"]
+    _assert_same(res, eng.prefill_exact(ids), tiny.num_layers)
+
+
+def test_identity_fill_keeps_shallow_layers_and_full_rows_exact(tiny):
+    n, tail, sink = 48, 8, 2
+    ids = _ids(n)
+    eng = Engine(tiny)
+    exact = eng.prefill_exact(ids)
+    res = run_prefill(eng, ids, "identity", settings=FillSettings(split=1, sink=sink, tail=tail, outlier_factor=None))
+    assert not res.meta["ran_exact"] and res.meta["bulk_rows"] == n - sink - tail
+    k_res, v_res = hf.cache_kv(res.cache, 0)
+    k_ex, v_ex = hf.cache_kv(exact.cache, 0)
+    torch.testing.assert_close(k_res, k_ex, atol=1e-5, rtol=0)  # layer below the split: all rows exact
+    # Layer `split` reads the split state itself, so every row's K/V there is exact too.
+    for x, y in zip(hf.cache_kv(res.cache, 1), hf.cache_kv(exact.cache, 1), strict=True):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=0)
+    # Deep layers: the sink rows see only themselves, so they stay exact; bulk rows differ.
+    k_deep, _ = hf.cache_kv(res.cache, tiny.num_layers - 1)
+    k_deep_ex, _ = hf.cache_kv(exact.cache, tiny.num_layers - 1)
+    torch.testing.assert_close(k_deep[:, :, :sink], k_deep_ex[:, :, :sink], atol=1e-5, rtol=0)
+    assert res.cache.get_seq_length() == n
+
+
+def test_ridge_with_identity_maps_equals_identity_fill(fitted):
+    lm, maps, _ = fitted
+    d = lm.parts.hidden_size
+    eye = torch.cat([torch.eye(d), torch.zeros(1, d)])
+    ident = FillMaps("ridge", 1, {i: eye for i in maps["ridge"].layers}, maps["ridge"].header)
+    ids = _ids(64)
+    s = FillSettings(split=1, sink=2, tail=8)
+    eng = Engine(lm)
+    _assert_same(run_prefill(eng, ids, "ridge", maps=ident, settings=s), run_prefill(eng, ids, "identity", settings=s), 3)
+
+
+def test_kva_writes_mapped_keys_for_bulk_rows(fitted):
+    lm, maps, _ = fitted
+    kva = maps["kva"]
+    ids = _ids(64)
+    s = FillSettings(split=1, sink=2, tail=8, outlier_factor=None)
+    eng = Engine(lm)
+    res = run_prefill(eng, ids, "kva", maps=kva, settings=s)
+    # Recompute layer 2's bulk keys by hand from the split state.
+    with torch.no_grad():
+        h = eng.embed(ids)
+        tables = eng.rope(64, h)
+        h, *_ = eng.layer(0, h, torch.arange(64), tables)
+        bulk = torch.arange(2, 56)
+        w = kva.weights[2]
+        y = h[0, bulk] @ w[:-1] + w[-1]
+        lp = lm.parts.layers[2]
+        k = y[:, : lp.num_kv_heads * lp.head_dim].view(1, -1, lp.num_kv_heads, lp.head_dim).transpose(1, 2)
+        cos, sin = tables[lp.layer_type]
+        k = apply_rope(k, cos[:, bulk], sin[:, bulk])
+    torch.testing.assert_close(hf.cache_kv(res.cache, 2)[0][:, :, 2:56], k, atol=1e-5, rtol=0)
+
+
+def test_fit_beats_identity_on_heldout(fitted):
+    _, maps, report = fitted
+    for layer, entry in report["splits"][1]["ridge"].items():
+        assert entry["heldout_rel_err"] < entry["identity_rel_err"], layer
+    assert set(maps) == {"ridge", "kva"}
+    assert maps["ridge"].weights[2].shape == (65, 64)
+    assert maps["kva"].weights[2].shape == (65, 2 * 2 * 16)
+
+
+def test_map_file_round_trip_and_errors(fitted, tmp_path):
+    lm, maps, _ = fitted
+    path = save_maps(maps["ridge"], tmp_path / "m.safetensors")
+    back = load_maps(path, lm)
+    assert back.header["model"] == fingerprint(lm) and back.split == 1
+    torch.testing.assert_close(back.weights[2], maps["ridge"].weights[2])
+    with pytest.raises(MapError, match="fitted on another model"):
+        load_maps(path, make_tiny("llama", seed=1))
+    with pytest.raises(MapError, match="fitted on another model"):
+        run_prefill(Engine(make_tiny("qwen2")), _ids(64), "ridge", maps=back)
+    bad = tmp_path / "corrupt.safetensors"
+    bad.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(MapError, match="corrupt"):
+        load_maps(bad)
+    nan = FillMaps("ridge", 1, {2: torch.full((65, 64), float("nan"))}, back.header)
+    with pytest.raises(MapError, match="NaN"):
+        load_maps(save_maps(nan, tmp_path / "nan.safetensors"))
+    with pytest.raises(MapError, match="not found"):
+        load_maps(tmp_path / "missing.safetensors")
+
+
+def test_bad_settings_are_refused(fitted):
+    lm, maps, _ = fitted
+    eng = Engine(lm)
+    with pytest.raises(RidgefillError, match="needs fitted maps"):
+        run_prefill(eng, _ids(64), "ridge")
+    with pytest.raises(RidgefillError, match="for 'kva', not 'ridge'"):
+        run_prefill(eng, _ids(64), "ridge", maps=maps["kva"])
+    with pytest.raises(RidgefillError, match="split 9"):
+        run_prefill(eng, _ids(64), "identity", settings=FillSettings(split=9))
+    with pytest.raises(RidgefillError, match="filled"):
+        run_prefill(eng, _ids(64), "identity", settings=FillSettings(split=1, tail=4), logit_rows=torch.tensor([10]))
+    with pytest.raises(RidgefillError, match="unknown prefill method"):
+        run_prefill(eng, _ids(64), "magic")
