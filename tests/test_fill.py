@@ -39,7 +39,9 @@ def _assert_same(a, b, num_layers):
 @pytest.fixture(scope="module")
 def fitted():
     lm = make_tiny("llama")
-    maps, report = fit_maps(lm, _byte_segments(6, 96), _byte_segments(2, 96, offset=6000), FitConfig(splits=(1,), segment_tokens=96))
+    maps, report = fit_maps(
+        lm, _byte_segments(6, 96), _byte_segments(2, 96, offset=6000), FitConfig(splits=(1,), segment_tokens=96)
+    )
     return lm, {m.method: m for m in maps}, report
 
 
@@ -87,7 +89,9 @@ def test_ridge_with_identity_maps_equals_identity_fill(fitted):
     ids = _ids(64)
     s = FillSettings(split=1, sink=2, tail=8)
     eng = Engine(lm)
-    _assert_same(run_prefill(eng, ids, "ridge", maps=ident, settings=s), run_prefill(eng, ids, "identity", settings=s), 3)
+    _assert_same(
+        run_prefill(eng, ids, "ridge", maps=ident, settings=s), run_prefill(eng, ids, "identity", settings=s), 3
+    )
 
 
 def test_kva_writes_mapped_keys_for_bulk_rows(fitted):

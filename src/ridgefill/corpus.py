@@ -37,7 +37,7 @@ class Document:
 
     @property
     def split(self) -> str:
-        """"calib", "heldout" or "eval", fixed by a hash of the id (never by position in a list)."""
+        """ "calib", "heldout" or "eval", fixed by a hash of the id (never by position in a list)."""
         return SPLIT_OF_BUCKET[int(hashlib.sha1(self.id.encode()).hexdigest(), 16) % 10]
 
 
