@@ -17,16 +17,28 @@ from ridgefill.errors import RidgefillError
 EXAMPLES = {
     None: """examples:
   ridgefill demo
+  ridgefill fit && ridgefill bench --lengths 4096
   ridgefill generate --prompt-file report.txt --prompt "Summarise the report." --max-new-tokens 128
   ridgefill models list
   ridgefill models pull qwen2.5-0.5b""",
     "generate": """examples:
   ridgefill generate --prompt "What is the capital of France?"
   ridgefill generate --model qwen2.5-0.5b --prompt-file long.txt --prompt "Summarise the text above."
-  ridgefill generate --model ./my-llama-dir --dtype bfloat16 --prompt "Hello" --method exact""",
+  ridgefill generate --model ./my-llama-dir --dtype bfloat16 --prompt "Hello" --method exact
+  ridgefill generate --prompt-file long.txt --prompt "Who signed it?" --method ridge --split 15 --tail 512""",
     "models": """examples:
   ridgefill models list
   ridgefill models pull gemma3-270m""",
+    "fit": """examples:
+  ridgefill fit
+  ridgefill fit --model qwen2.5-0.5b --splits 8,12,16 --calib-tokens 32768
+  ridgefill fit --corpus ./my_docs/ --methods ridge --splits 15 --out ./maps""",
+    "bench": """examples:
+  ridgefill bench
+  ridgefill bench --lengths 4096 --methods exact,ridge --split 15 --repeats 5 --out results/bench.json""",
+    "ppl": """examples:
+  ridgefill ppl
+  ridgefill ppl --length 4096 --docs 8 --splits 10,15,20 --methods identity,ridge,kva --out results/ppl.json""",
     "demo": """examples:
   ridgefill demo
   ridgefill demo --tokens 6000""",
@@ -45,7 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     _model_args(g)
     g.add_argument("--prompt", default="", help="the question or instruction")
     g.add_argument("--prompt-file", type=Path, help="a text file placed before --prompt (a long document)")
-    g.add_argument("--method", default="exact", help="prefill method (default: exact)")
+    g.add_argument("--method", default="exact", help="prefill method: exact, identity, ridge, kva")
+    _fill_args(g)
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0)
@@ -60,6 +73,39 @@ def _parser() -> argparse.ArgumentParser:
     pull.add_argument("name")
     m.set_defaults(func=_cmd_models)
 
+    f = sub.add_parser("fit", help="fit fill maps on calibration text", epilog=EXAMPLES["fit"], formatter_class=fmt)
+    _model_args(f)
+    f.add_argument("--splits", default="10,15,20", help="candidate split layers, comma-separated (one pass)")
+    f.add_argument("--methods", default="ridge,kva", help="ridge and/or kva")
+    f.add_argument("--corpus", default=None, help="text file, .jsonl or folder (default: Python 3.11 docs)")
+    f.add_argument("--calib-tokens", type=int, default=16384)
+    f.add_argument("--heldout-tokens", type=int, default=4096, help="held-out tokens for choosing lambda")
+    f.add_argument("--segment-tokens", type=int, default=2048)
+    f.add_argument("--out", type=Path, default=None, help="map folder (default: the model's cache folder)")
+    f.add_argument("--report", type=Path, default=None, help="write the fit report JSON here")
+    f.set_defaults(func=_cmd_fit)
+
+    b = sub.add_parser("bench", help="TTFT of methods side by side", epilog=EXAMPLES["bench"], formatter_class=fmt)
+    _model_args(b)
+    b.add_argument("--lengths", default="1024,2048,4096,8192")
+    b.add_argument("--methods", default="exact,identity,ridge,kva")
+    _fill_args(b)
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--corpus", default=None, help="text for the prompts (evaluation split is used)")
+    b.add_argument("--out", type=Path, default=None, help="write JSON results here")
+    b.set_defaults(func=_cmd_bench)
+
+    q = sub.add_parser("ppl", help="tail perplexity against exact", epilog=EXAMPLES["ppl"], formatter_class=fmt)
+    _model_args(q)
+    q.add_argument("--length", type=int, default=4096)
+    q.add_argument("--docs", type=int, default=8, help="held-out documents")
+    q.add_argument("--splits", default="15")
+    q.add_argument("--methods", default="identity,ridge,kva")
+    _fill_args(q, split=False)
+    q.add_argument("--corpus", default=None)
+    q.add_argument("--out", type=Path, default=None)
+    q.set_defaults(func=_cmd_ppl)
+
     d = sub.add_parser("demo", help="the built-in long-prompt demo", epilog=EXAMPLES["demo"], formatter_class=fmt)
     _model_args(d)
     d.add_argument("--tokens", type=int, default=3000, help="approximate prompt length")
@@ -70,6 +116,49 @@ def _parser() -> argparse.ArgumentParser:
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="short name, HF model folder or .gguf file")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
+
+
+def _fill_args(p: argparse.ArgumentParser, split: bool = True) -> None:
+    if split:
+        p.add_argument("--split", type=int, default=15, help="first layer that fills bulk rows")
+    p.add_argument("--sink", type=int, default=4, help="first tokens run fully")
+    p.add_argument("--tail", type=int, default=256, help="last tokens run fully")
+    p.add_argument("--maps", type=Path, default=None, help="map folder (default: the model's cache folder)")
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise RidgefillError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def _method_kwargs(lm, method: str, split: int, args: argparse.Namespace) -> dict:
+    """Keyword arguments a prefill method needs: settings, and maps for ridge/kva."""
+    from ridgefill.fit.maps import find_maps
+    from ridgefill.methods import FILL_METHODS, FillSettings
+
+    if method not in FILL_METHODS:
+        return {}
+    kwargs: dict = {"settings": FillSettings(split, args.sink, args.tail)}
+    if method != "identity":
+        kwargs["maps"] = find_maps(lm, method, split, args.maps)
+    return kwargs
+
+
+def _eval_tokens(lm, corpus: str | None, length: int, count: int) -> list[list[int]]:
+    """`count` prompts of `length` tokens from the evaluation split (never calibration text)."""
+    from ridgefill.corpus import load_corpus, token_segments
+
+    docs = load_corpus(corpus).part("eval")
+    segments, _ = token_segments(lm.tokenizer, docs, length, length * count, per_doc=length)
+    if len(segments) < count:
+        raise RidgefillError(f"the evaluation split holds only {len(segments)} prompts of {length} tokens")
+    return segments
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -88,6 +177,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         lm,
         prompt,
         method=args.method,
+        **_method_kwargs(lm, args.method, args.split, args),
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
@@ -114,6 +204,91 @@ def _cmd_models(args: argparse.Namespace) -> int:
     print(f"{'name':<14} {'installed':<10} description")
     for em in KNOWN_MODELS.values():
         print(f"{em.name:<14} {'yes' if is_installed(em) else 'no':<10} {em.description}")
+    return 0
+
+
+def _cmd_fit(args: argparse.Namespace) -> int:
+    from ridgefill.corpus import load_corpus, token_segments
+    from ridgefill.fit.maps import default_maps_dir, maps_filename, save_maps
+    from ridgefill.fit.ridge import FitConfig, fit_maps
+    from ridgefill.models import load_model
+    from ridgefill.results import write_json
+
+    cfg = FitConfig(splits=_ints(args.splits), methods=_names(args.methods), segment_tokens=args.segment_tokens)
+    lm = load_model(args.model, dtype=args.dtype)
+    corpus = load_corpus(args.corpus)
+    seg = args.segment_tokens
+    calib, calib_docs = token_segments(lm.tokenizer, corpus.part("calib"), seg, args.calib_tokens)
+    heldout, heldout_docs = token_segments(lm.tokenizer, corpus.part("heldout"), seg, args.heldout_tokens)
+    provenance = {"id": corpus.id, "calib_documents": calib_docs, "heldout_documents": heldout_docs}
+    maps, report = fit_maps(lm, calib, heldout, cfg, provenance)
+    out = args.out or default_maps_dir(lm)
+    paths = [str(save_maps(m, out / maps_filename(lm.name, m.method, m.split))) for m in maps]
+    print(
+        f"fitted {len(maps)} map files on {report['calib_tokens']} calibration tokens in {report['seconds']} s, "
+        f"peak RSS {report['peak_rss_mb']:.0f} MiB -> {out}"
+    )
+    print(f"{'split':>5} {'method':<6} {'layer':>5} {'alpha':>8} {'held-out rel err':>17} {'identity':>9}")
+    for s, by_method in report["splits"].items():
+        for m, layers in by_method.items():
+            for li, e in layers.items():
+                ident = f"{e['identity_rel_err']:9.3f}" if "identity_rel_err" in e else " " * 9
+                print(f"{s:>5} {m:<6} {li:>5} {e['alpha']:8.0e} {e['heldout_rel_err']:17.3f} {ident}")
+    if args.report:
+        write_json(args.report, {"model": lm.name, "maps": paths, "corpus": provenance, **report})
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from ridgefill.bench.ttft import BenchConfig, run_bench
+    from ridgefill.fit.maps import find_maps
+    from ridgefill.models import load_model
+    from ridgefill.results import write_json
+
+    cfg = BenchConfig(_ints(args.lengths), _names(args.methods), args.split, args.sink, args.tail, args.repeats)
+    lm = load_model(args.model, dtype=args.dtype)
+    maps = {m: find_maps(lm, m, cfg.split, args.maps) for m in cfg.methods if m in ("ridge", "kva")}
+    prompts = {n: _eval_tokens(lm, args.corpus, n, 1)[0] for n in cfg.lengths}
+    rows = run_bench(lm, cfg, prompts, maps)
+    print(f"{lm.name} ({args.dtype}), split {cfg.split}, sink {cfg.sink}, tail {cfg.tail}, {cfg.repeats} repeats")
+    print(
+        f"{'length':>6} {'method':<9} {'median s':>9} {'speedup':>8} {'[min-max]':>13} {'FLOP bound':>10} "
+        f"{'of bound':>8} {'tok/s':>8} {'peak MiB':>9}"
+    )
+    for r in rows:
+        print(
+            f"{r['length']:>6} {r['method']:<9} {r['median_s']:9.3f} {r['speedup']:7.2f}x "
+            f"{r['speedup_min']:5.2f}-{r['speedup_max']:<5.2f}  {r['flop_bound']:9.2f}x {r['fraction_of_bound']:7.0%} "
+            f"{r['tokens_per_s']:8.0f} {r['peak_mem_mb']:9.0f}"
+        )
+    if args.out:
+        write_json(args.out, {"model": lm.name, "dtype": args.dtype, "config": asdict(cfg), "results": rows})
+    return 0
+
+
+def _cmd_ppl(args: argparse.Namespace) -> int:
+    from ridgefill.engine import Engine
+    from ridgefill.eval.ppl import MethodSpec, tail_ppl
+    from ridgefill.models import load_model
+    from ridgefill.results import write_json
+
+    lm = load_model(args.model, dtype=args.dtype)
+    if args.length > lm.context_length:
+        raise RidgefillError(f"length {args.length} exceeds {lm.name}'s context of {lm.context_length}")
+    docs = _eval_tokens(lm, args.corpus, args.length, args.docs)
+    specs = [MethodSpec("exact", "exact", {})]
+    for split in _ints(args.splits):
+        for m in _names(args.methods):
+            specs.append(MethodSpec(f"{m}@{split}", m, _method_kwargs(lm, m, split, args)))
+    rows = tail_ppl(Engine(lm), docs, specs, args.tail)
+    print(f"{lm.name}: tail perplexity of the last {args.tail} tokens, {len(docs)} held-out documents of {args.length}")
+    print(f"{'method':<14} {'tail NLL':>9} {'PPL':>8} {'vs exact':>9}")
+    for r in rows:
+        print(f"{r['method']:<14} {r['tail_nll']:9.4f} {r['ppl']:8.3f} {r['ppl_increase_pct']:+8.1f}%")
+    if args.out:
+        write_json(args.out, {"model": lm.name, "dtype": args.dtype, "sink": args.sink, "ppl": rows})
     return 0
 
 

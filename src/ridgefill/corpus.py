@@ -132,20 +132,3 @@ def token_segments(
     if n_seg == 0:
         raise RidgefillError(f"the corpus has only {len(stream)} tokens; need at least one segment of {segment_tokens}")
     return [stream[i * segment_tokens : (i + 1) * segment_tokens] for i in range(n_seg)], used
-
-
-def long_documents(tokenizer, docs: list[Document], length: int, count: int) -> tuple[list[list[int]], list[str]]:
-    """The first `length` tokens of up to `count` documents that are at least that long."""
-    out, used = [], []
-    for d in sorted(docs, key=lambda d: hashlib.sha1(d.id.encode()).hexdigest()):
-        if len(out) >= count:
-            break
-        if len(d.text) < length * 2:  # cheap pre-filter: a token is rarely under 2 characters
-            continue
-        ids = tokenizer(d.text, add_special_tokens=False)["input_ids"]
-        if len(ids) >= length:
-            out.append(ids[:length])
-            used.append(d.id)
-    if not out:
-        raise RidgefillError(f"no document of {length} tokens or more in the corpus")
-    return out, used

@@ -88,6 +88,29 @@ class FillMaps:
             raise MapError(f"maps cover layers {self.layers}, but split {self.split} needs {expected}")
 
 
+def default_maps_dir(lm: LoadedModel) -> Path:
+    """Where `ridgefill fit` writes maps by default, keyed by the model's fingerprint."""
+    from ridgefill.models.loading import cache_dir
+
+    return cache_dir() / "maps" / f"{lm.name}-{fingerprint(lm)['weights_sha256'][:12]}"
+
+
+def maps_filename(model_name: str, method: str, split: int) -> str:
+    return f"{model_name}.{method}.s{split}.safetensors"
+
+
+def find_maps(lm: LoadedModel, method: str, split: int, folder: Path | None = None) -> FillMaps:
+    """Load the maps for (method, split) from `folder` (default: this model's cache folder)."""
+    folder = Path(folder) if folder is not None else default_maps_dir(lm)
+    path = folder / maps_filename(lm.name, method, split)
+    if not path.is_file():
+        raise MapError(
+            f"no {method} maps for split {split} in {folder}; "
+            f"run `ridgefill fit --model {lm.name} --splits {split}` first"
+        )
+    return load_maps(path, lm)
+
+
 def save_maps(maps: FillMaps, path: Path) -> Path:
     """Write a map file (safetensors; the header is stored as JSON in its metadata)."""
     path = Path(path)

@@ -1,0 +1,58 @@
+"""Result files: every measurement is written as JSON with the command that made it.
+
+What it is: one writer that stamps each payload with the exact command line, the date, the
+package and library versions, and the machine (CPU model, threads), so a reader can rerun it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import platform
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment() -> dict:
+    from ridgefill import __version__
+
+    return {
+        "ridgefill": __version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "cpu": _cpu_model(),
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def command_line(argv: list[str] | None) -> str:
+    return "ridgefill " + shlex.join(sys.argv[1:] if argv is None else argv)
+
+
+def write_json(path: str | Path, payload: dict, argv: list[str] | None = None) -> Path:
+    """Write `payload` with `command`, `date` and `environment` keys first."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "command": command_line(argv),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "environment": environment(),
+        **payload,
+    }
+    path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    return path
