@@ -32,22 +32,25 @@ class GenerationResult:
     decode_s: float
 
 
-def encode_prompt(lm: LoadedModel, prompt: str, chat: bool = True, answer_prefix: str = "") -> torch.Tensor:
-    """Tokenise a prompt; with `chat`, wrap it in the model's chat template when it has one.
+def prompt_text(lm: LoadedModel, prompt: str, chat: bool = True, answer_prefix: str = "") -> tuple[str, bool]:
+    """The exact string the model reads, and whether the tokenizer should add special tokens.
 
-    `answer_prefix` is appended inside the assistant turn (RULER's answer prefix).
-    Returns (1, N) token ids.
+    With `chat` and a tokenizer that has a chat template, the prompt is the user turn and
+    `answer_prefix` opens the assistant turn (RULER's answer prefix).
     """
     if not prompt or not prompt.strip():
         raise PromptError("the prompt is empty")
     tok = lm.tokenizer
     if chat and getattr(tok, "chat_template", None):
         messages = [{"role": "user", "content": prompt}]
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        ids = tok(text + answer_prefix, add_special_tokens=False)["input_ids"]
-    else:
-        ids = tok(prompt + answer_prefix)["input_ids"]
-    return torch.tensor([ids], dtype=torch.long)
+        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + answer_prefix, False
+    return prompt + answer_prefix, True
+
+
+def encode_prompt(lm: LoadedModel, prompt: str, chat: bool = True, answer_prefix: str = "") -> torch.Tensor:
+    """Tokenise a prompt as `prompt_text` lays it out. Returns (1, N) token ids."""
+    text, special = prompt_text(lm, prompt, chat, answer_prefix)
+    return torch.tensor([lm.tokenizer(text, add_special_tokens=special)["input_ids"]], dtype=torch.long)
 
 
 def eos_ids(lm: LoadedModel) -> set[int]:

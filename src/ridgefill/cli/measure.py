@@ -1,0 +1,189 @@
+"""Subcommands that measure and write results: fit, bench, ppl, fill-error, eval."""
+
+from __future__ import annotations
+
+import argparse
+
+from ridgefill.cli.common import default_split, eval_tokens, ints, method_kwargs, names
+from ridgefill.errors import RidgefillError
+
+WHATS = ("input", "k", "v")  # what the fill-error report measures
+
+
+def cmd_fit(args: argparse.Namespace) -> int:
+    from ridgefill.fit.ridge import FitConfig, fit_from_corpus
+    from ridgefill.models import load_model
+    from ridgefill.results import write_json
+
+    lm = load_model(args.model, dtype=args.dtype)
+    splits = ints(args.splits) or (lm.num_layers // 3, lm.num_layers // 2, 2 * lm.num_layers // 3)
+    cfg = FitConfig(splits=splits, methods=names(args.methods), segment_tokens=args.segment_tokens)
+    paths, report = fit_from_corpus(lm, cfg, args.corpus, args.calib_tokens, args.heldout_tokens, args.out)
+    print(
+        f"fitted {len(paths)} map files on {report['calib_tokens']} calibration tokens in {report['seconds']} s, "
+        f"peak RSS {report['peak_rss_mb']:.0f} MiB -> {paths[0].parent}"
+    )
+    print(f"{'split':>5} {'method':<6} {'layer':>5} {'alpha':>8} {'held-out rel err':>17} {'identity':>9}")
+    for s, by_method in report["splits"].items():
+        for m, layers in by_method.items():
+            for li, e in layers.items():
+                ident = f"{e['identity_rel_err']:9.3f}" if "identity_rel_err" in e else " " * 9
+                print(f"{s:>5} {m:<6} {li:>5} {e['alpha']:8.0e} {e['heldout_rel_err']:17.3f} {ident}")
+    if args.report:
+        write_json(args.report, {"model": lm.name, "maps": [str(p) for p in paths], **report})
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from ridgefill.bench.ttft import BenchConfig, run_bench
+    from ridgefill.fit.maps import find_maps
+    from ridgefill.models import load_model
+    from ridgefill.results import write_json
+
+    lm = load_model(args.model, dtype=args.dtype)
+    split = default_split(lm, args.split)
+    cfg = BenchConfig(ints(args.lengths), names(args.methods), split, args.sink, args.tail, args.repeats)
+    maps = {m: find_maps(lm, m, cfg.split, args.maps) for m in cfg.methods if m in ("ridge", "kva")}
+    prompts = {n: eval_tokens(lm, args.corpus, n, 1)[0] for n in cfg.lengths}
+    rows = run_bench(lm, cfg, prompts, maps)
+    print(f"{lm.name} ({args.dtype}), split {cfg.split}, sink {cfg.sink}, tail {cfg.tail}, {cfg.repeats} repeats")
+    print(
+        f"{'length':>6} {'method':<9} {'median s':>9} {'speedup':>8} {'[min-max]':>13} {'FLOP bound':>10} "
+        f"{'of bound':>8} {'tok/s':>8} {'peak MiB':>9}"
+    )
+    for r in rows:
+        print(
+            f"{r['length']:>6} {r['method']:<9} {r['median_s']:9.3f} {r['speedup']:7.2f}x "
+            f"{r['speedup_min']:5.2f}-{r['speedup_max']:<5.2f}  {r['flop_bound']:9.2f}x {r['fraction_of_bound']:7.0%} "
+            f"{r['tokens_per_s']:8.0f} {r['peak_mem_mb']:9.0f}"
+        )
+    if args.out:
+        write_json(args.out, {"model": lm.name, "dtype": args.dtype, "config": asdict(cfg), "results": rows})
+    return 0
+
+
+def cmd_ppl(args: argparse.Namespace) -> int:
+    from ridgefill.engine import Engine
+    from ridgefill.eval.ppl import MethodSpec, tail_ppl
+    from ridgefill.models import load_model
+    from ridgefill.results import write_json
+
+    lm = load_model(args.model, dtype=args.dtype)
+    if args.length > lm.context_length:
+        raise RidgefillError(f"length {args.length} exceeds {lm.name}'s context of {lm.context_length}")
+    docs = eval_tokens(lm, args.corpus, args.length, args.docs)
+    specs = [MethodSpec("exact", "exact", {})]
+    for split in ints(args.splits) or (default_split(lm, None),):
+        for m in names(args.methods):
+            specs.append(MethodSpec(f"{m}@{split}", m, method_kwargs(lm, m, split, args)))
+    rows = tail_ppl(Engine(lm), docs, specs, args.tail)
+    print(f"{lm.name}: tail perplexity of the last {args.tail} tokens, {len(docs)} held-out documents of {args.length}")
+    print(f"{'method':<14} {'tail NLL':>9} {'PPL':>8} {'vs exact':>9}")
+    for r in rows:
+        print(f"{r['method']:<14} {r['tail_nll']:9.4f} {r['ppl']:8.3f} {r['ppl_increase_pct']:+8.1f}%")
+    if args.out:
+        write_json(args.out, {"model": lm.name, "dtype": args.dtype, "sink": args.sink, "ppl": rows})
+    return 0
+
+
+def cmd_fill_error(args: argparse.Namespace) -> int:
+    from ridgefill.engine import Engine
+    from ridgefill.eval.fill_error import fill_errors, plot_fill_errors
+    from ridgefill.fit.maps import find_maps
+    from ridgefill.models import load_model
+    from ridgefill.results import write_json
+
+    lm = load_model(args.model, dtype=args.dtype)
+    split = default_split(lm, args.split)
+    maps = {m: find_maps(lm, m, split, args.maps) for m in ("ridge", "kva")}
+    docs = eval_tokens(lm, args.corpus, args.length, args.docs)
+    errors = fill_errors(Engine(lm), docs, split, maps)
+    print(f"{lm.name}, split {split}: relative error, mean over position buckets")
+    print(f"{'layer':>5} " + " ".join(f"{m + ' ' + w:>14}" for m in errors for w in WHATS))
+    for li in errors["identity"]:
+        cells = []
+        for m in errors:
+            for w in WHATS:
+                v = errors[m].get(li, {}).get(w)
+                cells.append(f"{sum(v) / len(v):14.3f}" if v else f"{'-':>14}")
+        print(f"{li:>5} " + " ".join(cells))
+    if args.out:
+        write_json(
+            args.out,
+            {
+                "model": lm.name,
+                "split": split,
+                "length": args.length,
+                "docs": len(docs),
+                "buckets": "5 equal position buckets, 0-20% ... 80-100%",
+                "rel_err": errors,
+            },
+        )
+    if args.plot:
+        plot_fill_errors(errors, split, f"{lm.name}: fill error at split {split}, {args.length} tokens", args.plot)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import time
+
+    from ridgefill.corpus import load_corpus
+    from ridgefill.engine import Engine
+    from ridgefill.eval import report
+    from ridgefill.eval.ppl import MethodSpec, tail_ppl
+    from ridgefill.eval.ruler import TASKS, essay_sentences
+    from ridgefill.eval.runner import recovered_over_identity, run_eval, summarise
+    from ridgefill.models import cache_dir, load_model
+    from ridgefill.results import write_json
+
+    tasks = names(args.tasks)
+    bad = [t for t in tasks if t not in TASKS]
+    if bad:
+        raise RidgefillError(f"unknown task(s) {', '.join(bad)}; choose from {', '.join(TASKS)}")
+    lm = load_model(args.model, dtype=args.dtype)
+    lengths = ints(args.lengths)
+    for n in lengths:
+        if n > lm.context_length:
+            raise RidgefillError(f"length {n} exceeds {lm.name}'s context of {lm.context_length}")
+    split = default_split(lm, args.split)
+    methods = [m for m in names(args.methods) if m != "exact"]
+    specs = [MethodSpec("exact", "exact", {})] + [MethodSpec(m, m, method_kwargs(lm, m, split, args)) for m in methods]
+    t0 = time.perf_counter()
+    essay = essay_sentences([d.text for d in load_corpus(args.corpus).part("eval")])
+    cache = args.cache or (
+        args.out.with_suffix(".samples.jsonl") if args.out else cache_dir() / "eval" / "samples.jsonl"
+    )
+    records = run_eval(lm, list(tasks), list(lengths), args.samples, specs, essay, cache, args.seed, args.tail)
+    summary = summarise(records)
+    ppl = []
+    if args.ppl_docs:
+        for n in lengths:
+            ppl += tail_ppl(Engine(lm), eval_tokens(lm, args.corpus, n, args.ppl_docs), specs, args.tail)
+    recovered = recovered_over_identity(summary["results"])
+    print(report.markdown(summary["results"], ppl))
+    for r in recovered:
+        where = f"{r['task']} @ {r['length']}"
+        print(f"ridge - identity in the filled region, {where}: {r['points']:+.1f} points (n={r['samples']})")
+    seconds = round(time.perf_counter() - t0, 1)
+    print(f"took {seconds} s; per-sample results cached in {cache}")
+    if args.out:
+        settings = {"split": split, "sink": args.sink, "tail": args.tail, "seed": args.seed}
+        write_json(
+            args.out,
+            {
+                "model": lm.name,
+                "methods": [s.label for s in specs],
+                "settings": settings,
+                "seconds": seconds,
+                **summary,
+                "ppl": ppl,
+                "recovered_over_identity": recovered,
+            },
+        )
+    if args.plots:
+        for p in report.plot(summary["results"], args.plots, f"{lm.name}: RULER score by needle depth"):
+            print(f"plot written to {p}")
+    return 0

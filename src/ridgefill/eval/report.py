@@ -1,0 +1,78 @@
+"""Eval reports: a Markdown table for the terminal and PNG plots (score by depth; length x depth).
+
+What it is: presentation of `runner.summarise` output. What it is not: scoring.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ridgefill.eval.runner import DEPTH_BUCKETS
+
+
+def markdown(results: list[dict], ppl: list[dict] | None = None) -> str:
+    lines = [
+        "| task | length | method | n | score | delta vs exact [95% CI] | " + " | ".join(DEPTH_BUCKETS) + " |",
+        "|" + "---|" * (6 + len(DEPTH_BUCKETS)),
+    ]
+    for r in results:
+        delta = (
+            "" if r["method"] == "exact" else f"{r['delta_vs_exact']:+.1f} [{r['ci95'][0]:+.1f}, {r['ci95'][1]:+.1f}]"
+        )
+        depth = " | ".join("-" if r["by_depth"][b] is None else f"{r['by_depth'][b]:.0f}" for b in DEPTH_BUCKETS)
+        lines.append(
+            f"| {r['task']} | {r['length']} | {r['method']} | {r['samples']} | {r['score']:.1f} | {delta} | {depth} |"
+        )
+    if ppl:
+        lines += ["", "| method | length | docs | tail NLL | PPL | vs exact |", "|---|---|---|---|---|---|"]
+        for p in ppl:
+            lines.append(
+                f"| {p['method']} | {p['length']} | {p['docs']} | {p['tail_nll']:.4f} | {p['ppl']:.3f} | "
+                f"{p.get('ppl_increase_pct', 0):+.1f}% |"
+            )
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], out_dir: str | Path, title: str) -> list[Path]:
+    """score_by_depth.png (mean over tasks) and heatmap.png (length x depth, one panel per method)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    methods = list(dict.fromkeys(r["method"] for r in results))
+    lengths = sorted({r["length"] for r in results})
+
+    def mean_depth(method: str, length: int | None = None) -> list[float]:
+        rows = [r for r in results if r["method"] == method and (length is None or r["length"] == length)]
+        vals = []
+        for b in DEPTH_BUCKETS:
+            xs = [r["by_depth"][b] for r in rows if r["by_depth"][b] is not None]
+            vals.append(sum(xs) / len(xs) if xs else float("nan"))
+        return vals
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for m in methods:
+        ax.plot(DEPTH_BUCKETS, mean_depth(m), marker="o", label=m)
+    ax.set(xlabel="needle depth (%)", ylabel="score (0-100)", title=title, ylim=(-2, 102))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    p1 = out / "score_by_depth.png"
+    fig.savefig(p1, dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, len(methods), figsize=(3.2 * len(methods), 0.6 * len(lengths) + 2), squeeze=False)
+    for ax, m in zip(axes[0], methods, strict=True):
+        grid = [mean_depth(m, n) for n in lengths]
+        im = ax.imshow(grid, vmin=0, vmax=100, cmap="viridis", aspect="auto")
+        ax.set(title=m, xticks=range(len(DEPTH_BUCKETS)), yticks=range(len(lengths)))
+        ax.set_xticklabels(DEPTH_BUCKETS, rotation=45)
+        ax.set_yticklabels(lengths)
+    fig.colorbar(im, ax=axes[0].tolist(), label="score")
+    p2 = out / "heatmap.png"
+    fig.savefig(p2, dpi=110)
+    plt.close(fig)
+    return [p1, p2]

@@ -1,0 +1,213 @@
+"""RULER retrieval tasks (niah_*, vt), generated as RULER generates them.
+
+What it is: sample generation for the eight NIAH variants and variable tracking, following
+../shared/RULER.md and RULER's public templates: needle and question wording (made singular when
+one answer is expected), key/value types, essay depths from a 40-point grid, noise-line and
+distractor-needle haystacks, vt's chains with a one-shot example, the haystack size found by
+binary search with the model's own tokenizer (keeping `tokens_to_generate` for the answer), and
+`string_match_all` scoring. What it is not: a runner; `ridgefill.eval.runner` runs methods.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import string
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cache
+from importlib.resources import files
+
+from ridgefill.errors import RidgefillError
+
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+DEPTHS = [round(i * 100 / 39) for i in range(40)]  # RULER: np.linspace(0, 100, 40) rounded
+
+NIAH_TEMPLATE = (
+    "Some special magic {type_v} are hidden within the following text. Make sure to memorize it. "
+    "I will quiz you about the {type_v} afterwards.\n{context}\n"
+    "What are all the special magic {type_v} for {query} mentioned in the provided text?"
+)
+NIAH_ANSWER_PREFIX = " The special magic {type_v} for {query} mentioned in the provided text are"
+NEEDLE = "One of the special magic {type_v} for {key} is: {value}."
+VT_TEMPLATE = (
+    "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n"
+    "Question: Find all variables that are assigned the value {query} in the text above."
+)
+# "assgined" is RULER's own spelling; kept so scores stay comparable.
+VT_ANSWER_PREFIX = (
+    " Answer: According to the chain(s) of variable assignment in the text above, "
+    "{num_v} variables are assgined the value {query}, they are: "
+)
+
+
+@dataclass(frozen=True)
+class NiahSpec:
+    haystack: str  # "noise", "essay" or "needle"
+    type_k: str  # "words" or "uuids"
+    type_v: str  # "numbers" or "uuids"
+    num_k: int = 1
+    num_v: int = 1
+    num_q: int = 1
+
+
+NIAH_TASKS: dict[str, NiahSpec] = {
+    "niah_single_1": NiahSpec("noise", "words", "numbers"),
+    "niah_single_2": NiahSpec("essay", "words", "numbers"),
+    "niah_single_3": NiahSpec("essay", "words", "uuids"),
+    "niah_multikey_1": NiahSpec("essay", "words", "numbers", num_k=4),
+    "niah_multikey_2": NiahSpec("needle", "words", "numbers"),
+    "niah_multikey_3": NiahSpec("needle", "uuids", "uuids"),
+    "niah_multivalue": NiahSpec("essay", "words", "numbers", num_v=4),
+    "niah_multiquery": NiahSpec("essay", "words", "numbers", num_k=4, num_q=4),
+}
+TASKS = (*NIAH_TASKS, "vt")
+TOKENS_TO_GENERATE = {"vt": 30, **dict.fromkeys(NIAH_TASKS, 128)}
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One RULER sample: the user turn, the answer prefix for the assistant turn, the references."""
+
+    task: str
+    index: int
+    text: str
+    answer_prefix: str
+    answers: list[str]
+    needles: list[str] = field(default_factory=list)  # the inserted needle strings, for depth checks
+
+    def depth_of(self, needle: str) -> float:
+        """Relative character depth of a needle within the context (0 = start, 1 = end)."""
+        return self.text.index(needle) / max(1, len(self.text))
+
+
+@cache
+def key_words() -> tuple[str, ...]:
+    """RULER's keys: every adjective-noun pair from wonderwords' lists, sorted."""
+    try:
+        assets = files("wonderwords") / "assets"
+        adjs = (assets / "adjectivelist.txt").read_text().split()
+        nouns = (assets / "nounlist.txt").read_text().split()
+    except (ModuleNotFoundError, FileNotFoundError):
+        raise RidgefillError("RULER keys need the `wonderwords` package: pip install wonderwords") from None
+    return tuple(sorted({f"{a}-{n}" for a in adjs for n in nouns}))
+
+
+def _random(kind: str, rng: random.Random) -> str:
+    if kind == "numbers":
+        return str(rng.randint(1_000_000, 9_999_999))
+    if kind == "uuids":
+        return str(uuid.UUID(int=rng.getrandbits(128), version=4))
+    if kind == "words":
+        return rng.choice(key_words())
+    raise ValueError(kind)
+
+
+def essay_sentences(texts: list[str]) -> list[str]:
+    """Whitespace-collapsed prose split into sentences (the essay haystack)."""
+    joined = re.sub(r"\s+", " ", " ".join(texts)).strip()
+    return [s for s in re.split(r"(?<=[.!?])\s+", joined) if s]
+
+
+def _singular(text: str, type_v: str) -> str:
+    # RULER rewrites the plural wording when exactly one answer is expected.
+    one = type_v[:-1]
+    return (
+        text.replace(f"Some special magic {type_v} are", f"A special magic {one} is")
+        .replace(f"What are all the special magic {type_v}", f"What is the special magic {one}")
+        .replace(f"about the {type_v} afterwards", f"about the {one} afterwards")
+        .replace(f"special magic {type_v} for", f"special magic {one} for")
+        .replace("provided text are", "provided text is")
+    )
+
+
+def niah_sample(task: str, size: int, rng: random.Random, essay: list[str], index: int = 0) -> Sample:
+    """A NIAH sample whose haystack has `size` units (noise lines, essay sentences or needles)."""
+    spec = NIAH_TASKS[task]
+    keys, values, needles = [], [], []
+    for _ in range(spec.num_k):
+        keys.append(_random(spec.type_k, rng))
+        values.append([_random(spec.type_v, rng) for _ in range(spec.num_v)])
+        needles += [NEEDLE.format(type_v=spec.type_v, key=keys[-1], value=v) for v in values[-1]]
+    rng.shuffle(needles)
+    if spec.haystack == "essay":
+        sents = essay[:size]
+        cuts = sorted(int(len(sents) * d / 100) for d in rng.sample(DEPTHS, len(needles)))
+        parts, last = [], 0
+        for cut, needle in zip(cuts, needles, strict=True):
+            parts += sents[last:cut] + [needle]
+            last = cut
+        context = " ".join(parts + sents[last:])
+    else:
+        lines = (
+            [NOISE] * size
+            if spec.haystack == "noise"
+            else [
+                NEEDLE.format(type_v=spec.type_v, key=_random(spec.type_k, rng), value=_random(spec.type_v, rng))
+                for _ in range(size)
+            ]
+        )
+        for i, needle in zip(sorted(rng.sample(range(size + 1), len(needles)), reverse=True), needles, strict=True):
+            lines.insert(i, needle)
+        context = "\n".join(lines)
+    picked = rng.sample(range(spec.num_k), spec.num_q)
+    queries = [keys[i] for i in picked]
+    answers = [v for i in picked for v in values[i]]
+    query = queries[0] if len(queries) == 1 else ", ".join(queries[:-1]) + ", and " + queries[-1]
+    # The singular rewrite touches the template only; the needles in the context keep the plural.
+    template = NIAH_TEMPLATE.format(type_v=spec.type_v, context="{context}", query=query)
+    prefix = NIAH_ANSWER_PREFIX.format(type_v=spec.type_v, query=query)
+    if len(answers) == 1:
+        template, prefix = _singular(template, spec.type_v), _singular(prefix, spec.type_v)
+    return Sample(task, index, template.replace("{context}", context, 1), prefix, answers, needles)
+
+
+def _vt_chain(rng: random.Random, hops: int, letters: int) -> tuple[list[str], list[str]]:
+    names: list[str] = []
+    while len(names) < hops + 1:
+        name = "".join(rng.choices(string.ascii_uppercase, k=letters))
+        if name not in names:
+            names.append(name)
+    chain = [f"VAR {names[0]} = {rng.randint(10000, 99999)}"]
+    chain += [f"VAR {names[j + 1]} = VAR {names[j]} " for j in range(hops)]
+    return names, chain
+
+
+def _vt_text(size: int, rng: random.Random, hops: int, letters: int) -> tuple[str, str, list[str], list[str]]:
+    names, chain = _vt_chain(rng, hops, letters)
+    lines = [NOISE + "\n"] * size
+    for j, pos in enumerate(sorted(rng.sample(range(size + 1), len(chain)))):
+        lines.insert(pos + j, chain[j])
+    context = " ".join(lines).replace(". \n", ".\n")
+    value = chain[0].split("=")[-1].strip()
+    text = VT_TEMPLATE.format(context=context, query=value)
+    return text, VT_ANSWER_PREFIX.format(num_v=hops + 1, query=value), names, chain
+
+
+def vt_sample(size: int, rng: random.Random, example_size: int, index: int = 0, hops: int = 4) -> Sample:
+    """Variable tracking with RULER's one-shot example (3-letter names) placed before the task."""
+    ex_text, ex_prefix, ex_names, _ = _vt_text(example_size, rng, hops, letters=3)
+    text, prefix, names, chain = _vt_text(size, rng, hops, letters=5)
+    example = ex_text + ex_prefix + " ".join(ex_names)
+    return Sample("vt", index, example + "\n\n" + text, prefix, names, chain)
+
+
+def string_match_all(prediction: str, answers: list[str]) -> float:
+    """RULER's metric: the fraction of references found (case-insensitive) in the cleaned prediction."""
+    pred = re.sub(r"[\x00-\x1f]", "\n", prediction.strip()).strip().lower()
+    return sum(a.lower() in pred for a in answers) / len(answers)
+
+
+def fit_size(count_tokens: Callable[[int], int], budget: int, hi: int) -> int:
+    """Largest haystack size in [1, hi] whose prompt has at most `budget` tokens (binary search)."""
+    if count_tokens(1) > budget:
+        raise RidgefillError(f"even the smallest haystack exceeds {budget} tokens")
+    lo = 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if count_tokens(mid) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -1,0 +1,113 @@
+"""RULER generation, depth placement, length fitting and scoring."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ridgefill.eval import ruler
+from ridgefill.eval.ppl import MethodSpec
+from ridgefill.eval.runner import prepare, run_eval, summarise
+
+ESSAY = ruler.essay_sentences([f"Sentence number {i} talks about the weather in the valley." for i in range(3000)])
+
+
+def test_single_needle_wording_is_singular():
+    s = ruler.niah_sample("niah_single_2", 200, random.Random(1), ESSAY)
+    assert s.text.startswith("A special magic number is hidden within the following text. Make sure to memorize it.")
+    assert "I will quiz you about the number afterwards.\n" in s.text
+    key = s.needles[0].split(" for ")[1].split(" is:")[0]
+    assert s.text.endswith(f"\nWhat is the special magic number for {key} mentioned in the provided text?")
+    assert s.answer_prefix == f" The special magic number for {key} mentioned in the provided text is"
+    assert s.needles == [f"One of the special magic numbers for {key} is: {s.answers[0]}."]
+    assert len(s.answers[0]) == 7 and s.answers[0].isdigit()
+    assert key in ruler.key_words() and "-" in key
+
+
+def test_plural_tasks_keep_plural_wording():
+    s = ruler.niah_sample("niah_multivalue", 200, random.Random(2), ESSAY)
+    assert s.text.startswith("Some special magic numbers are hidden") and len(s.answers) == 4
+    assert s.answer_prefix.endswith("mentioned in the provided text are")
+    q = ruler.niah_sample("niah_multiquery", 200, random.Random(3), ESSAY)
+    assert len(q.answers) == 4 and ", and " in q.answer_prefix
+    u = ruler.niah_sample("niah_single_3", 200, random.Random(4), ESSAY)
+    assert "special magic uuid for" in u.answer_prefix and len(u.answers[0]) == 36
+
+
+def test_haystack_kinds():
+    noise = ruler.niah_sample("niah_single_1", 50, random.Random(5), ESSAY)
+    assert noise.text.count(ruler.NOISE) == 50
+    multi = ruler.niah_sample("niah_multikey_1", 300, random.Random(6), ESSAY)
+    assert len(multi.needles) == 4 and all(n in multi.text for n in multi.needles)
+    dist = ruler.niah_sample("niah_multikey_2", 40, random.Random(7), ESSAY)
+    assert dist.text.count("One of the special magic numbers for") == 41
+
+
+def test_essay_depths_follow_the_40_point_grid():
+    seen = set()
+    for seed in range(40):
+        s = ruler.niah_sample("niah_single_2", 1000, random.Random(seed), ESSAY)
+        context = s.text.split("\n", 1)[1].rsplit("\n", 1)[0]
+        sentences_before = context[: context.index(s.needles[0])].count(". ")
+        depth = round(100 * sentences_before / 1000)
+        assert min(abs(depth - d) for d in ruler.DEPTHS) <= 1, depth
+        seen.add(depth)
+    assert len(seen) > 15  # depths vary across samples
+
+
+def test_vt_chain_and_one_shot_example():
+    s = ruler.vt_sample(60, random.Random(8), example_size=10)
+    assert len(s.answers) == 5 and all(len(a) == 5 for a in s.answers)
+    value = s.needles[0].split("= ")[1]
+    assert s.answer_prefix == (
+        " Answer: According to the chain(s) of variable assignment in the text above, "
+        f"5 variables are assgined the value {value}, they are: "
+    )
+    example, task = s.text.split("\n\n", 1)[0], s.text.split("\n\n", 1)[1]
+    assert example.startswith("Memorize and track") and task.count("Memorize and track") == 1
+    for a, b in zip(s.answers, s.answers[1:], strict=False):
+        assert f"VAR {b} = VAR {a}" in s.text
+
+
+@pytest.mark.parametrize(
+    ("prediction", "answers", "score"),
+    [
+        ("The number is 1234567.", ["1234567"], 1.0),
+        ("  nothing here \x00", ["1234567"], 0.0),
+        ("ABCDE, fghij and KLMNO", ["abcde", "FGHIJ", "klmno", "PQRST"], 0.75),
+        ("7654321", ["1234567", "7654321"], 0.5),
+    ],
+)
+def test_string_match_all(prediction, answers, score):
+    assert ruler.string_match_all(prediction, answers) == score
+
+
+def test_fit_size_is_maximal():
+    assert ruler.fit_size(lambda n: 10 * n + 5, 1000, 500) == 99
+    with pytest.raises(Exception, match="smallest haystack"):
+        ruler.fit_size(lambda n: 10_000, 1000, 500)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", ["niah_single_1", "niah_single_2", "vt"])
+def test_prompts_fill_the_length_exactly(smollm2, task):
+    length = 1024
+    for p in prepare(smollm2, task, length, 2, 42, ESSAY):
+        budget = length - ruler.TOKENS_TO_GENERATE[task]
+        assert p.input_ids.shape[1] <= budget
+        assert p.input_ids.shape[1] > budget - 40  # one more haystack unit would not fit
+        # The needle's token position matches where its text sits in the decoded prompt.
+        needle = next(n for n in p.sample.needles if p.sample.answers[0] in n)
+        window = smollm2.tokenizer.decode(p.input_ids[0, p.needle_pos : p.needle_pos + 40])
+        assert needle[:20] in window, (p.needle_pos, window)
+
+
+@pytest.mark.slow
+def test_exact_against_itself_has_zero_delta(smollm2, tmp_path):
+    specs = [MethodSpec("exact", "exact", {}), MethodSpec("exact-again", "exact", {})]
+    recs = run_eval(smollm2, ["niah_single_1"], [512], 2, specs, ESSAY, tmp_path / "c.jsonl")
+    again = next(r for r in summarise(recs)["results"] if r["method"] == "exact-again")
+    assert again["delta_vs_exact"] == 0 and again["ci95"] == [0.0, 0.0]
+    # Resuming reads the cache instead of running again.
+    assert run_eval(smollm2, ["niah_single_1"], [512], 2, specs, ESSAY, tmp_path / "c.jsonl") == recs
