@@ -88,7 +88,7 @@ def plot_fill_errors(errors: dict, split: int, title: str, path: str | Path) -> 
         ax.set_xlabel(f"layer (split {split})")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("relative error")
-    axes[0].legend()
+    axes[1].legend()  # the K panel has every method (kva has no input panel line)
     fig.suptitle(title)
     fig.tight_layout()
     path = Path(path)
