@@ -10,7 +10,6 @@ import datetime as dt
 import json
 import platform
 import shlex
-import sys
 from pathlib import Path
 
 import torch
@@ -40,11 +39,11 @@ def environment() -> dict:
     }
 
 
-def command_line(argv: list[str] | None) -> str:
-    return "ridgefill " + shlex.join(sys.argv[1:] if argv is None else argv)
+def command_line(argv: list[str]) -> str:
+    return "ridgefill " + shlex.join(argv)
 
 
-def write_json(path: str | Path, payload: dict, argv: list[str] | None = None) -> Path:
+def write_json(path: str | Path, payload: dict, argv: list[str]) -> Path:
     """Write `payload` with `command`, `date` and `environment` keys first."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -163,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded in every result file
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)

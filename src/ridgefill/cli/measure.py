@@ -30,7 +30,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
                 ident = f"{e['identity_rel_err']:9.3f}" if "identity_rel_err" in e else " " * 9
                 print(f"{s:>5} {m:<6} {li:>5} {e['alpha']:8.0e} {e['heldout_rel_err']:17.3f} {ident}")
     if args.report:
-        write_json(args.report, {"model": lm.name, "maps": [str(p) for p in paths], **report})
+        write_json(args.report, {"model": lm.name, "maps": [str(p) for p in paths], **report}, args.argv)
     return 0
 
 
@@ -60,7 +60,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             f"{r['tokens_per_s']:8.0f} {r['peak_mem_mb']:9.0f}"
         )
     if args.out:
-        write_json(args.out, {"model": lm.name, "dtype": args.dtype, "config": asdict(cfg), "results": rows})
+        write_json(args.out, {"model": lm.name, "dtype": args.dtype, "config": asdict(cfg), "results": rows}, args.argv)
     return 0
 
 
@@ -84,7 +84,7 @@ def cmd_ppl(args: argparse.Namespace) -> int:
     for r in rows:
         print(f"{r['method']:<14} {r['tail_nll']:9.4f} {r['ppl']:8.3f} {r['ppl_increase_pct']:+8.1f}%")
     if args.out:
-        write_json(args.out, {"model": lm.name, "dtype": args.dtype, "sink": args.sink, "ppl": rows})
+        write_json(args.out, {"model": lm.name, "dtype": args.dtype, "sink": args.sink, "ppl": rows}, args.argv)
     return 0
 
 
@@ -120,6 +120,7 @@ def cmd_fill_error(args: argparse.Namespace) -> int:
                 "buckets": "5 equal position buckets, 0-20% ... 80-100%",
                 "rel_err": errors,
             },
+            args.argv,
         )
     if args.plot:
         plot_fill_errors(errors, split, f"{lm.name}: fill error at split {split}, {args.length} tokens", args.plot)
@@ -182,6 +183,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
                 "ppl": ppl,
                 "recovered_over_identity": recovered,
             },
+            args.argv,
         )
     if args.plots:
         for p in report.plot(summary["results"], args.plots, f"{lm.name}: RULER score by needle depth"):

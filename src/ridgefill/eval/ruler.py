@@ -177,7 +177,9 @@ def _vt_chain(rng: random.Random, hops: int, letters: int) -> tuple[list[str], l
 def _vt_text(size: int, rng: random.Random, hops: int, letters: int) -> tuple[str, str, list[str], list[str]]:
     names, chain = _vt_chain(rng, hops, letters)
     lines = [NOISE + "\n"] * size
-    for j, pos in enumerate(sorted(rng.sample(range(size + 1), len(chain)))):
+    slots = range(size + 1)  # a tiny haystack (during the length search) lets links share a slot
+    picks = rng.sample(slots, len(chain)) if len(slots) >= len(chain) else rng.choices(slots, k=len(chain))
+    for j, pos in enumerate(sorted(picks)):
         lines.insert(pos + j, chain[j])
     context = " ".join(lines).replace(". \n", ".\n")
     value = chain[0].split("=")[-1].strip()
