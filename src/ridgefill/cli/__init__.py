@@ -151,6 +151,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--tokens", type=int, default=3000, help="approximate prompt length")
     d.add_argument("--split", type=int, default=None, help="split layer (default: half the layers)")
     d.add_argument("--tail", type=int, default=256)
+    d.add_argument("--corpus", default=None, help="calibration text if no maps are cached (default: Python docs)")
     d.set_defaults(func=cmd_demo)
     return p
 

@@ -69,7 +69,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"using cached ridge maps for split {split}")
     except RidgefillError:
         print(f"fitting ridge maps for split {split} (once; cached for later runs) ...")
-        fit_from_corpus(lm, FitConfig(splits=(split,), methods=("ridge",)))
+        fit_from_corpus(lm, FitConfig(splits=(split,), methods=("ridge",)), corpus=args.corpus)
         maps = find_maps(lm, "ridge", split)
     settings = FillSettings(split=split, tail=args.tail)
     methods = {"exact": {"method": "exact"}, "ridge": {"method": "ridge", "maps": maps, "settings": settings}}
