@@ -77,10 +77,6 @@ class Sample:
     answers: list[str]
     needles: list[str] = field(default_factory=list)  # the inserted needle strings, for depth checks
 
-    def depth_of(self, needle: str) -> float:
-        """Relative character depth of a needle within the context (0 = start, 1 = end)."""
-        return self.text.index(needle) / max(1, len(self.text))
-
 
 @cache
 def key_words() -> tuple[str, ...]:
