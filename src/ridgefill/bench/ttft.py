@@ -19,7 +19,8 @@ from ridgefill.bench.flops import exact_macs, fill_macs
 from ridgefill.bench.memory import PeakRSS
 from ridgefill.engine import Engine
 from ridgefill.errors import RidgefillError
-from ridgefill.fit.maps import FillMaps
+from ridgefill.fit.maps import MAP_METHODS, FillMaps
+from ridgefill.fit.ridge import layer_inputs
 from ridgefill.methods import FILL_METHODS, FillSettings, get_method, run_prefill
 from ridgefill.methods.fill import full_rows
 from ridgefill.models.loading import LoadedModel
@@ -36,18 +37,19 @@ class BenchConfig:
     warmup: int = 1
 
 
-def _flop_bound(engine: Engine, ids: torch.Tensor, method: str, s: FillSettings) -> tuple[float, int]:
+def _full_rows(engine: Engine, ids: torch.Tensor, s: FillSettings) -> list[int]:
+    """The rows a fill runs fully; outliers depend on the split state, so the lower layers run once."""
     n = ids.shape[1]
-    if method == "exact" or n <= s.sink + s.tail:
-        return 1.0, n
-    with torch.inference_mode():  # the outlier rows depend on the split state: run the lower layers once
-        h = engine.embed(ids)
-        tables = engine.rope(n, h)
-        pos = torch.arange(n)
-        for i in range(s.split):
-            h, *_ = engine.layer(i, h, pos, tables)
-    full = full_rows(h[0], n, s).tolist()
-    return exact_macs(engine.parts, n) / fill_macs(engine.parts, n, method, s.split, full), len(full)
+    if n <= s.sink + s.tail or s.split >= engine.parts.num_layers - 1:
+        return list(range(n))
+    h_split = layer_inputs(engine, ids, upto=s.split)[-1]
+    return full_rows(h_split[0], n, s).tolist()
+
+
+def _flop_bound(engine: Engine, n: int, method: str, split: int, full: list[int]) -> float:
+    if method == "exact" or len(full) == n:
+        return 1.0
+    return exact_macs(engine.parts, n) / fill_macs(engine.parts, n, method, split, full)
 
 
 def run_bench(
@@ -56,7 +58,7 @@ def run_bench(
     """Time every method at every length; `prompts[length]` is the token list used."""
     for m in cfg.methods:
         get_method(m)
-        if m in ("ridge", "kva") and m not in maps:
+        if m in MAP_METHODS and m not in maps:
             raise RidgefillError(f"method {m!r} needs maps for split {cfg.split}")
     if "exact" not in cfg.methods:
         raise RidgefillError("bench compares against exact: include it in --methods")
@@ -82,10 +84,11 @@ def run_bench(
                     peaks[m] = max(peaks[m], mem.peak_mb)
                 bar.update()
         ex = times["exact"]
+        full = _full_rows(engine, ids, s)
         for m in cfg.methods:
             t = times[m]
             ratios = [e / x for e, x in zip(ex, t, strict=True)]
-            bound, n_full = _flop_bound(engine, ids, m, s)
+            bound = _flop_bound(engine, n, m, cfg.split, full)
             speed = statistics.median(ex) / statistics.median(t)
             rows.append(
                 {
@@ -101,7 +104,7 @@ def run_bench(
                     "fraction_of_bound": round(speed / bound, 3),
                     "tokens_per_s": round(n / statistics.median(t), 1),
                     "peak_mem_mb": round(peaks[m], 1),
-                    "full_rows": n_full,
+                    "full_rows": n if m == "exact" else len(full),
                     "repeats": cfg.repeats,
                 }
             )

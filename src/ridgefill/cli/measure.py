@@ -38,14 +38,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from ridgefill.bench.ttft import BenchConfig, run_bench
-    from ridgefill.fit.maps import find_maps
+    from ridgefill.fit.maps import MAP_METHODS, find_maps
     from ridgefill.models import load_model
     from ridgefill.results import write_json
 
     lm = load_model(args.model, dtype=args.dtype)
     split = default_split(lm, args.split)
     cfg = BenchConfig(ints(args.lengths), names(args.methods), split, args.sink, args.tail, args.repeats)
-    maps = {m: find_maps(lm, m, cfg.split, args.maps) for m in cfg.methods if m in ("ridge", "kva")}
+    maps = {m: find_maps(lm, m, cfg.split, args.maps) for m in cfg.methods if m in MAP_METHODS}
     prompts = {n: eval_tokens(lm, args.corpus, n, 1)[0] for n in cfg.lengths}
     rows = run_bench(lm, cfg, prompts, maps)
     print(f"{lm.name} ({args.dtype}), split {cfg.split}, sink {cfg.sink}, tail {cfg.tail}, {cfg.repeats} repeats")
@@ -91,13 +91,13 @@ def cmd_ppl(args: argparse.Namespace) -> int:
 def cmd_fill_error(args: argparse.Namespace) -> int:
     from ridgefill.engine import Engine
     from ridgefill.eval.fill_error import fill_errors, plot_fill_errors
-    from ridgefill.fit.maps import find_maps
+    from ridgefill.fit.maps import MAP_METHODS, find_maps
     from ridgefill.models import load_model
     from ridgefill.results import write_json
 
     lm = load_model(args.model, dtype=args.dtype)
     split = default_split(lm, args.split)
-    maps = {m: find_maps(lm, m, split, args.maps) for m in ("ridge", "kva")}
+    maps = {m: find_maps(lm, m, split, args.maps) for m in MAP_METHODS}
     docs = eval_tokens(lm, args.corpus, args.length, args.docs)
     errors = fill_errors(Engine(lm), docs, split, maps)
     print(f"{lm.name}, split {split}: relative error, mean over position buckets")

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ridgefill.engine import Engine
-from ridgefill.fit.maps import FillMaps
+from ridgefill.fit.maps import MAP_METHODS, FillMaps
 from ridgefill.fit.ridge import layer_inputs
 from ridgefill.ops.norm import rms_normed
 
@@ -33,7 +33,7 @@ def fill_errors(
     `maps` holds "ridge" and/or "kva" maps for `split`; identity needs none. The first
     `skip_first` rows (attention sinks, run fully by every fill) are left out.
     """
-    methods = ["identity", *[m for m in ("ridge", "kva") if m in maps]]
+    methods = ["identity", *[m for m in MAP_METHODS if m in maps]]
     num_layers = engine.parts.num_layers
     sums: dict = {}
     for ids in docs:

@@ -9,7 +9,6 @@ What it is not: a trainer; there is no gradient step anywhere.
 
 from __future__ import annotations
 
-import logging
 import resource
 import time
 from dataclasses import asdict, dataclass, field
@@ -23,8 +22,6 @@ from ridgefill.errors import RidgefillError
 from ridgefill.fit.maps import MAP_METHODS, FillMaps, fingerprint
 from ridgefill.models.loading import LoadedModel
 from ridgefill.ops.norm import rms_normed
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -108,14 +105,17 @@ def _targets(engine: Engine, states: list[torch.Tensor], split: int, cfg: FitCon
 
 
 @torch.inference_mode()
-def layer_inputs(engine: Engine, ids: torch.Tensor) -> list[torch.Tensor]:
-    """Exact forward; returns the input of every layer and the final state: L+1 tensors (1, T, d)."""
+def layer_inputs(engine: Engine, ids: torch.Tensor, upto: int | None = None) -> list[torch.Tensor]:
+    """Exact forward; returns the input of layers 0..upto (default: every layer and the final state).
+
+    Returns `upto + 1` tensors (1, T, d); `upto` defaults to the number of layers.
+    """
     h = engine.embed(ids)
     n = ids.shape[1]
     tables = engine.rope(n, h)
     pos = torch.arange(n)
     states = [h]
-    for i in range(engine.parts.num_layers):
+    for i in range(engine.parts.num_layers if upto is None else upto):
         h, *_ = engine.layer(i, h, pos, tables)
         states.append(h)
     return states
