@@ -7,8 +7,6 @@ import argparse
 from ridgefill.cli.common import default_split, eval_tokens, ints, method_kwargs, names
 from ridgefill.errors import RidgefillError
 
-WHATS = ("input", "k", "v")  # what the fill-error report measures
-
 
 def cmd_fit(args: argparse.Namespace) -> int:
     from ridgefill.fit.ridge import FitConfig, fit_from_corpus
@@ -90,7 +88,7 @@ def cmd_ppl(args: argparse.Namespace) -> int:
 
 def cmd_fill_error(args: argparse.Namespace) -> int:
     from ridgefill.engine import Engine
-    from ridgefill.eval.fill_error import fill_errors, plot_fill_errors
+    from ridgefill.eval.fill_error import WHATS, fill_errors, plot_fill_errors
     from ridgefill.fit.maps import MAP_METHODS, find_maps
     from ridgefill.models import load_model
     from ridgefill.results import write_json

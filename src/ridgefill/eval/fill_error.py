@@ -17,6 +17,8 @@ from ridgefill.fit.maps import MAP_METHODS, FillMaps
 from ridgefill.fit.ridge import layer_inputs
 from ridgefill.ops.norm import rms_normed
 
+WHATS = ("input", "k", "v")  # what is compared: the deep layer's input, its K, its V
+
 
 def _kv_rows(engine: Engine, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(n, d) layer inputs -> pre-RoPE K and V, each (n, H_kv * head_dim)."""
@@ -78,7 +80,7 @@ def plot_fill_errors(errors: dict, split: int, title: str, path: str | Path) -> 
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 4), sharey=True)
-    for ax, what in zip(axes, ("input", "k", "v"), strict=True):
+    for ax, what in zip(axes, WHATS, strict=True):
         for m, layers in errors.items():
             xs = [int(li) for li, e in layers.items() if what in e]
             ys = [sum(e[what]) / len(e[what]) for e in layers.values() if what in e]
