@@ -159,3 +159,26 @@ def test_bad_settings_are_refused(fitted):
         run_prefill(eng, _ids(64), "identity", settings=FillSettings(split=1, tail=4), logit_rows=torch.tensor([10]))
     with pytest.raises(RidgefillError, match="unknown prefill method"):
         run_prefill(eng, _ids(64), "magic")
+
+
+def test_shared_lower_layers_give_the_same_prefill(fitted):
+    """A paired evaluation runs the common lower layers once; every method must come out unchanged."""
+    lm, maps, _ = fitted
+    ids = _ids(64)
+    eng = Engine(lm)
+    s = FillSettings(split=1, sink=2, tail=8)
+    lower = eng.run_lower(ids, 1)
+    for method, kw in [("exact", {}), ("identity", {"settings": s}), ("ridge", {"settings": s, "maps": maps["ridge"]})]:
+        alone = run_prefill(eng, ids, method, **kw)
+        shared = run_prefill(eng, ids, method, lower=lower, **kw)
+        _assert_same(shared, alone, lm.num_layers)
+        assert shared.seconds >= lower.seconds
+    # Decoding from a cache built on the shared state must not write into it.
+    k0 = lower.kv[0][0].clone()
+    with torch.inference_mode():
+        hf.stock_forward(lm.model, ids[:, -1:], run_prefill(eng, ids, "exact", lower=lower).cache)
+    assert torch.equal(lower.kv[0][0], k0)
+    # A lower state for another prompt, or above the split, is not reused.
+    other = eng.run_lower(_ids(64).flip(1), 1)
+    _assert_same(run_prefill(eng, ids, "exact", lower=other), eng.prefill_exact(ids), lm.num_layers)
+    assert eng.run_lower(ids, 2, start=lower).upto == 2

@@ -167,7 +167,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         where = f"{r['task']} @ {r['length']}"
         print(f"ridge - identity in the filled region, {where}: {r['points']:+.1f} points (n={r['samples']})")
     seconds = round(time.perf_counter() - t0, 1)
-    print(f"took {seconds} s; per-sample results cached in {cache}")
+    compute = round(sum(r.get("run_s", r["ttft_s"]) for r in records), 1)
+    print(f"took {seconds} s (samples: {compute} s of compute over all runs); per-sample results cached in {cache}")
     if args.out:
         settings = {"split": split, "sink": args.sink, "tail": args.tail, "seed": args.seed}
         write_json(
@@ -177,6 +178,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
                 "methods": [s.label for s in specs],
                 "settings": settings,
                 "seconds": seconds,
+                "sample_compute_seconds": compute,
                 **summary,
                 "ppl": ppl,
                 "recovered_over_identity": recovered,

@@ -40,6 +40,23 @@ class PrefillResult:
         return self.num_tokens / self.seconds if self.seconds > 0 else float("inf")
 
 
+@dataclass
+class LowerState:
+    """Layers [0, upto) run on every row of one prompt.
+
+    Any method that runs those layers in full (exact, or a fill splitting at or above `upto`) can
+    continue from it, so a paired evaluation computes them once per prompt. `seconds` is what they
+    cost, so a method continuing from it can still report its whole prefill time.
+    """
+
+    input_ids: torch.Tensor  # (1, N)
+    upto: int
+    h: torch.Tensor  # (1, N, d): the input of layer `upto`
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer below `upto`: k, v (1, H_kv, N, hd)
+    tables: RopeTables
+    seconds: float
+
+
 class Engine:
     """Runs a `LoadedModel`'s layers on chosen rows, borrowing its modules."""
 
@@ -165,28 +182,49 @@ class Engine:
     def new_cache(self) -> DynamicCache:
         return hf.new_cache(self.lm.model)
 
+    @torch.inference_mode()
+    def run_lower(self, input_ids: torch.Tensor, upto: int, start: LowerState | None = None) -> LowerState:
+        """Run layers [0, upto) on every row, continuing from `start` when it is for this prompt and below `upto`."""
+        n = self.check_prompt(input_ids)
+        t0 = time.perf_counter()
+        if start is not None and start.upto <= upto and torch.equal(start.input_ids, input_ids):
+            h, kv, tables, begin, before = start.h, list(start.kv), start.tables, start.upto, start.seconds
+        else:
+            h = self.embed(input_ids)  # (1, N, d)
+            kv, tables, begin, before = [], self.rope(n, h), 0, 0.0
+        pos = torch.arange(n)
+        for i in range(begin, upto):
+            h, k, v, _ = self.layer(i, h, pos, tables)
+            kv.append((k, v))
+        return LowerState(input_ids, upto, h, kv, tables, before + time.perf_counter() - t0)
+
+    def cache_from(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+        """A fresh stock cache holding layers 0..len(kv)-1 (the tensors are shared, never written)."""
+        cache = self.new_cache()
+        for i, (k, v) in enumerate(kv):
+            hf.cache_update(cache, k, v, i)
+        return cache
+
     # ----- the exact path -----
 
     @torch.inference_mode()
-    def prefill_exact(self, input_ids: torch.Tensor, logit_rows: torch.Tensor | None = None) -> PrefillResult:
+    def prefill_exact(
+        self, input_ids: torch.Tensor, logit_rows: torch.Tensor | None = None, lower: LowerState | None = None
+    ) -> PrefillResult:
         """Every layer on every row: must equal the stock forward.
 
         Args:
             input_ids: (1, N).
             logit_rows: positions whose logits to return; default the last one.
+            lower: layers already run for this prompt (see `LowerState`); their time is counted.
         """
         n = self.check_prompt(input_ids)
         rows = torch.tensor([n - 1]) if logit_rows is None else logit_rows
+        st = self.run_lower(input_ids, self.parts.num_layers, start=lower)
         t0 = time.perf_counter()
-        h = self.embed(input_ids)  # (1, N, d)
-        tables = self.rope(n, h)
-        pos = torch.arange(n)
-        cache = self.new_cache()
-        for i in range(self.parts.num_layers):
-            h, k, v, _ = self.layer(i, h, pos, tables)
-            hf.cache_update(cache, k, v, i)
-        logits = self.logits(h[0, rows])
-        return PrefillResult(cache, logits, rows, n, time.perf_counter() - t0, "exact")
+        cache = self.cache_from(st.kv)
+        logits = self.logits(st.h[0, rows])
+        return PrefillResult(cache, logits, rows, n, st.seconds + time.perf_counter() - t0, "exact")
 
 
 def merge_by_position(

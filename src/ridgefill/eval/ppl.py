@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ridgefill.engine import Engine
+from ridgefill.engine import Engine, LowerState
 from ridgefill.methods import run_prefill
 
 
@@ -26,14 +26,26 @@ class MethodSpec:
     method: str
     kwargs: dict
 
+    @property
+    def runs_fully_below(self) -> int | None:
+        """Layers every row runs before this method departs from exact (None: all of them)."""
+        maps, settings = self.kwargs.get("maps"), self.kwargs.get("settings")
+        return maps.split if maps is not None else settings.split if settings is not None else None
+
+
+def shared_lower(engine: Engine, ids: torch.Tensor, specs: list[MethodSpec]) -> LowerState | None:
+    """The layers every spec runs in full on this prompt, run once (None when only exact is there)."""
+    splits = [s.runs_fully_below for s in specs if s.runs_fully_below is not None]
+    return engine.run_lower(ids, min(splits)) if splits else None
+
 
 @torch.inference_mode()
-def tail_nll(engine: Engine, ids: list[int], spec: MethodSpec, tail: int) -> float:
+def tail_nll(engine: Engine, ids: list[int], spec: MethodSpec, tail: int, lower: LowerState | None = None) -> float:
     """Mean NLL (nats) of the last `tail - 1` tokens of `ids`, predicted from the tail rows."""
     x = torch.tensor([ids])
     n = x.shape[1]
     rows = torch.arange(n - tail, n - 1)
-    res = run_prefill(engine, x, spec.method, logit_rows=rows, **spec.kwargs)
+    res = run_prefill(engine, x, spec.method, logit_rows=rows, lower=lower, **spec.kwargs)
     return float(F.cross_entropy(res.logits, x[0, rows + 1]))
 
 
@@ -41,8 +53,9 @@ def tail_ppl(engine: Engine, docs: list[list[int]], specs: list[MethodSpec], tai
     """Every method on every document; returns one row per method with NLL, PPL and delta vs exact."""
     nll = {s.label: [] for s in specs}
     for ids in tqdm(docs, desc="tail perplexity: documents", unit="doc"):
+        lower = shared_lower(engine, torch.tensor([ids]), specs)
         for s in specs:
-            nll[s.label].append(tail_nll(engine, ids, s, tail))
+            nll[s.label].append(tail_nll(engine, ids, s, tail, lower))
     exact = sum(nll["exact"]) / len(docs) if "exact" in nll else None
     rows = []
     for s in specs:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ridgefill.engine import Engine, PrefillResult
+from ridgefill.engine import Engine, LowerState, PrefillResult
 from ridgefill.errors import RidgefillError
 from ridgefill.methods.fill import FILL_METHODS, FillSettings, prefill_fill
 
@@ -21,8 +21,14 @@ PrefillFn = Callable[..., PrefillResult]
 __all__ = ["FILL_METHODS", "METHODS", "FillSettings", "get_method", "run_prefill"]
 
 
-def _exact(engine: Engine, input_ids: torch.Tensor, logit_rows: torch.Tensor | None = None, **_: Any) -> PrefillResult:
-    return engine.prefill_exact(input_ids, logit_rows)
+def _exact(
+    engine: Engine,
+    input_ids: torch.Tensor,
+    logit_rows: torch.Tensor | None = None,
+    lower: LowerState | None = None,
+    **_: Any,
+) -> PrefillResult:
+    return engine.prefill_exact(input_ids, logit_rows, lower)
 
 
 def _fill(method: str) -> PrefillFn:

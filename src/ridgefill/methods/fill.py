@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ridgefill.engine import Engine, PrefillResult
+from ridgefill.engine import Engine, LowerState, PrefillResult
 from ridgefill.errors import RidgefillError
 from ridgefill.fit.maps import FillMaps
 from ridgefill.fit.ridge import fit_rows
@@ -101,6 +101,7 @@ def prefill_fill(
     maps: FillMaps | None = None,
     settings: FillSettings | None = None,
     logit_rows: torch.Tensor | None = None,
+    lower: LowerState | None = None,
     **_: object,
 ) -> PrefillResult:
     """Fill prefill of a (1, N) prompt; see the module docstring.
@@ -108,6 +109,8 @@ def prefill_fill(
     Args:
         maps: fitted maps for `ridge`/`kva` (their split wins over `settings.split`).
         logit_rows: positions whose logits to return (must be full rows); default the last.
+        lower: layers already run on every row of this prompt (`Engine.run_lower`), reused when at
+            or below the split; their time is counted in the result.
     """
     if method not in FILL_METHODS:
         raise RidgefillError(f"unknown fill method {method!r}; choose from {FILL_METHODS}")
@@ -124,18 +127,14 @@ def prefill_fill(
     n = engine.check_prompt(input_ids)
     meta = {"settings": asdict(s)}
     if s.split >= parts.num_layers - 1 or n <= s.sink + s.tail:
-        res = engine.prefill_exact(input_ids, logit_rows)
+        res = engine.prefill_exact(input_ids, logit_rows, lower)
         res.method = method
         res.meta = {**meta, "ran_exact": True, "reason": "nothing to fill (short prompt or split at the top)"}
         return res
+    st = engine.run_lower(input_ids, s.split, start=lower)
     t0 = time.perf_counter()
-    h = engine.embed(input_ids)
-    tables = engine.rope(n, h)
-    all_pos = torch.arange(n)
-    cache = engine.new_cache()
-    for i in range(s.split):
-        h, k, v, _ = engine.layer(i, h, all_pos, tables)
-        hf.cache_update(cache, k, v, i)
+    h, tables = st.h, st.tables
+    cache = engine.cache_from(st.kv)
     fpos = full_rows(h[0], n, s)
     bulk = torch.ones(n, dtype=torch.bool)
     bulk[fpos] = False
@@ -151,4 +150,4 @@ def prefill_fill(
         raise RidgefillError("logits were asked for rows that were filled, not run fully")
     logits = engine.logits(hfull[0, idx])
     meta.update(ran_exact=False, full_rows=len(fpos), bulk_rows=len(bpos))
-    return PrefillResult(cache, logits, rows, n, time.perf_counter() - t0, method, meta)
+    return PrefillResult(cache, logits, rows, n, st.seconds + time.perf_counter() - t0, method, meta)
