@@ -53,6 +53,21 @@ def encode_prompt(lm: LoadedModel, prompt: str, chat: bool = True, answer_prefix
     return torch.tensor([lm.tokenizer(text, add_special_tokens=special)["input_ids"]], dtype=torch.long)
 
 
+def encode_chat(lm: LoadedModel, messages: list[dict[str, str]]) -> torch.Tensor:
+    """Tokenise a conversation through the chat template, opening the assistant turn. Returns (1, N).
+
+    A tokenizer without a template gets `role: content` lines and an `assistant:` cue.
+    """
+    if not messages or not any(m["content"].strip() for m in messages):
+        raise PromptError("the conversation is empty")
+    tok = lm.tokenizer
+    if getattr(tok, "chat_template", None):
+        text, special = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), False
+    else:
+        text, special = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:", True
+    return torch.tensor([tok(text, add_special_tokens=special)["input_ids"]], dtype=torch.long)
+
+
 def eos_ids(lm: LoadedModel) -> set[int]:
     ids: set[int] = set()
     for src in (lm.model.generation_config, lm.model.config):

@@ -15,6 +15,7 @@ from pathlib import Path
 from ridgefill.cli.basic import cmd_demo, cmd_generate, cmd_models
 from ridgefill.cli.common import fill_args, model_args
 from ridgefill.cli.measure import cmd_bench, cmd_eval, cmd_fill_error, cmd_fit, cmd_ppl
+from ridgefill.cli.serve import cmd_loadtest, cmd_serve
 from ridgefill.errors import RidgefillError
 
 EXAMPLES = {
@@ -49,6 +50,14 @@ EXAMPLES = {
   ridgefill eval --tasks niah_single_1 --lengths 2048 --samples 5
   ridgefill eval --lengths 4096 --samples 50 --methods identity,ridge --split 15 --ppl-docs 8 \\
       --out results/eval.json --plots results/eval_plots""",
+    "serve": """examples:
+  ridgefill serve
+  ridgefill serve --model qwen2.5-0.5b --method ridge --split 12 --port 8001
+  curl -s localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+      -d '{"model":"smollm2-135m","messages":[{"role":"user","content":"Hi"}],"prefill":{"method":"exact"}}'""",
+    "loadtest": """examples:
+  ridgefill loadtest
+  ridgefill loadtest --clients 16 --requests 2 --queue-limits 32,2 --out results/serve_load.json""",
     "demo": """examples:
   ridgefill demo
   ridgefill demo --tokens 6000""",
@@ -145,6 +154,31 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--out", type=Path, default=None, help="JSON results")
     v.add_argument("--plots", type=Path, default=None, help="folder for PNG plots")
     v.set_defaults(func=cmd_eval)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server", epilog=EXAMPLES["serve"], formatter_class=fmt)
+    model_args(s)
+    s.add_argument(
+        "--method", default=None, help="default prefill method (default: ridge if its maps exist, else exact)"
+    )
+    fill_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--max-queue", type=int, default=32, help="requests that may wait; beyond it, 429")
+    s.set_defaults(func=cmd_serve)
+
+    t = sub.add_parser(
+        "loadtest", help="loopback load test of the server", epilog=EXAMPLES["loadtest"], formatter_class=fmt
+    )
+    model_args(t)
+    t.add_argument("--method", default=None, help="the server's default prefill method")
+    fill_args(t)
+    t.add_argument("--clients", type=int, default=16, help="concurrent streaming clients")
+    t.add_argument("--requests", type=int, default=2, help="requests per client, one after another")
+    t.add_argument("--max-tokens", type=int, default=16)
+    t.add_argument("--queue-limits", default="32,2", help="one run per server queue limit")
+    t.add_argument("--timeout", type=float, default=600, help="seconds for the whole load")
+    t.add_argument("--out", type=Path, default=None, help="JSON results")
+    t.set_defaults(func=cmd_loadtest)
 
     d = sub.add_parser("demo", help="the built-in long-prompt demo", epilog=EXAMPLES["demo"], formatter_class=fmt)
     model_args(d)

@@ -1,0 +1,61 @@
+"""`ridgefill serve`: load the model and maps once, then serve the OpenAI API with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+
+from ridgefill.errors import RidgefillError
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from ridgefill.serve import ServeConfig, create_app
+    except ImportError as e:
+        raise RidgefillError(f"serving needs its extra: pip install 'ridgefill[serve]' ({e.name} is missing)") from None
+    from ridgefill.cli.common import default_split
+    from ridgefill.methods import FillSettings
+    from ridgefill.models import load_model
+
+    if not 0 <= args.port <= 65535:
+        raise RidgefillError(f"port {args.port} is outside 0..65535")
+    lm = load_model(args.model, dtype=args.dtype)
+    settings = FillSettings(default_split(lm, args.split), args.sink, args.tail)
+    cfg = ServeConfig.for_model(lm, args.method, settings, args.maps, args.max_queue)
+    print(
+        f"serving {lm.name} on http://{args.host}:{args.port}/v1 "
+        f"(prefill methods: {', '.join(sorted(cfg.methods))}; default {cfg.default_method})",
+        flush=True,
+    )
+    uvicorn.run(create_app(cfg), host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def cmd_loadtest(args: argparse.Namespace) -> int:
+    from ridgefill.cli.common import default_split, ints
+    from ridgefill.methods import FillSettings
+    from ridgefill.models import load_model
+    from ridgefill.results import write_json
+    from ridgefill.serve import ServeConfig
+    from ridgefill.serve.loadtest import run_load
+    from ridgefill.serve.local import local_server
+
+    lm = load_model(args.model, dtype=args.dtype)
+    settings = FillSettings(default_split(lm, args.split), args.sink, args.tail)
+    runs = []
+    for limit in ints(args.queue_limits):
+        cfg = ServeConfig.for_model(lm, args.method, settings, args.maps, limit)
+        with local_server(cfg) as url:
+            report = run_load(url, lm.name, args.clients, args.requests, args.max_tokens, args.timeout)
+        runs.append({"max_queue": limit, "method": cfg.default_method, **report})
+        r = report
+        print(
+            f"queue limit {limit:>3}: {r['requests']} requests, {r['ok']} ok, {r['rejected_429']} x 429, "
+            f"{r['failed']} failed ({r['server_errors_5xx']} x 5xx); TTFT median {r['ttft_median_s']} s, "
+            f"max {r['ttft_max_s']} s; recovered: {r['recovered']}"
+        )
+    if args.out:
+        write_json(args.out, {"model": lm.name, "max_tokens": args.max_tokens, "runs": runs}, args.argv)
+    bad = any(r["failed"] for r in runs) or not all(r["recovered"] for r in runs)
+    return 1 if bad else 0
