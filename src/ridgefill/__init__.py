@@ -9,6 +9,7 @@ from ridgefill.engine import Engine, PrefillResult
 from ridgefill.errors import RidgefillError
 from ridgefill.generation import GenerationResult, encode_prompt, generate
 from ridgefill.models import DEFAULT_MODEL, KNOWN_MODELS, LoadedModel, load_model
+from ridgefill.patch import patch, patch_state, unpatch
 
 __version__ = "0.1.0"
 
@@ -23,4 +24,7 @@ __all__ = [
     "encode_prompt",
     "generate",
     "load_model",
+    "patch",
+    "patch_state",
+    "unpatch",
 ]

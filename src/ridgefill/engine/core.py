@@ -198,9 +198,12 @@ class Engine:
             kv.append((k, v))
         return LowerState(input_ids, upto, h, kv, tables, before + time.perf_counter() - t0)
 
-    def cache_from(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
-        """A fresh stock cache holding layers 0..len(kv)-1 (the tensors are shared, never written)."""
-        cache = self.new_cache()
+    def cache_from(self, kv: list[tuple[torch.Tensor, torch.Tensor]], into: DynamicCache | None = None) -> DynamicCache:
+        """A stock cache holding layers 0..len(kv)-1 (the tensors are shared, never written).
+
+        `into`: an empty cache someone else made (transformers' `generate`) to fill instead of a new one.
+        """
+        cache = self.new_cache() if into is None else into
         for i, (k, v) in enumerate(kv):
             hf.cache_update(cache, k, v, i)
         return cache
@@ -209,7 +212,11 @@ class Engine:
 
     @torch.inference_mode()
     def prefill_exact(
-        self, input_ids: torch.Tensor, logit_rows: torch.Tensor | None = None, lower: LowerState | None = None
+        self,
+        input_ids: torch.Tensor,
+        logit_rows: torch.Tensor | None = None,
+        lower: LowerState | None = None,
+        cache: DynamicCache | None = None,
     ) -> PrefillResult:
         """Every layer on every row: must equal the stock forward.
 
@@ -217,12 +224,13 @@ class Engine:
             input_ids: (1, N).
             logit_rows: positions whose logits to return; default the last one.
             lower: layers already run for this prompt (see `LowerState`); their time is counted.
+            cache: an empty stock cache to fill (default: a new one).
         """
         n = self.check_prompt(input_ids)
         rows = torch.tensor([n - 1]) if logit_rows is None else logit_rows
         st = self.run_lower(input_ids, self.parts.num_layers, start=lower)
         t0 = time.perf_counter()
-        cache = self.cache_from(st.kv)
+        cache = self.cache_from(st.kv, into=cache)
         logits = self.logits(st.h[0, rows])
         return PrefillResult(cache, logits, rows, n, st.seconds + time.perf_counter() - t0, "exact")
 

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from transformers import DynamicCache
 
 from ridgefill.engine import Engine, LowerState, PrefillResult
 from ridgefill.errors import RidgefillError
@@ -26,9 +27,10 @@ def _exact(
     input_ids: torch.Tensor,
     logit_rows: torch.Tensor | None = None,
     lower: LowerState | None = None,
+    cache: DynamicCache | None = None,
     **_: Any,
 ) -> PrefillResult:
-    return engine.prefill_exact(input_ids, logit_rows, lower)
+    return engine.prefill_exact(input_ids, logit_rows, lower, cache)
 
 
 def _fill(method: str) -> PrefillFn:

@@ -16,6 +16,7 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
+from transformers import DynamicCache
 
 from ridgefill.engine import Engine, LowerState, PrefillResult
 from ridgefill.errors import RidgefillError
@@ -102,6 +103,7 @@ def prefill_fill(
     settings: FillSettings | None = None,
     logit_rows: torch.Tensor | None = None,
     lower: LowerState | None = None,
+    cache: DynamicCache | None = None,
     **_: object,
 ) -> PrefillResult:
     """Fill prefill of a (1, N) prompt; see the module docstring.
@@ -111,6 +113,7 @@ def prefill_fill(
         logit_rows: positions whose logits to return (must be full rows); default the last.
         lower: layers already run on every row of this prompt (`Engine.run_lower`), reused when at
             or below the split; their time is counted in the result.
+        cache: an empty stock cache to fill (default: a new one).
     """
     if method not in FILL_METHODS:
         raise RidgefillError(f"unknown fill method {method!r}; choose from {FILL_METHODS}")
@@ -127,14 +130,14 @@ def prefill_fill(
     n = engine.check_prompt(input_ids)
     meta = {"settings": asdict(s)}
     if s.split >= parts.num_layers - 1 or n <= s.sink + s.tail:
-        res = engine.prefill_exact(input_ids, logit_rows, lower)
+        res = engine.prefill_exact(input_ids, logit_rows, lower, cache)
         res.method = method
         res.meta = {**meta, "ran_exact": True, "reason": "nothing to fill (short prompt or split at the top)"}
         return res
     st = engine.run_lower(input_ids, s.split, start=lower)
     t0 = time.perf_counter()
     h, tables = st.h, st.tables
-    cache = engine.cache_from(st.kv)
+    cache = engine.cache_from(st.kv, into=cache)
     fpos = full_rows(h[0], n, s)
     bulk = torch.ones(n, dtype=torch.bool)
     bulk[fpos] = False

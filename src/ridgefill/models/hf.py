@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
-from ridgefill.errors import UnsupportedArchitectureError
+from ridgefill.errors import RidgefillError, UnsupportedArchitectureError
 
 # model_type -> residual layout. "prenorm": x + attn(norm(x)); x + mlp(norm(x)) (Llama family).
 # "sandwich": Gemma3 normalises each sub-block's input and output (four norms per layer).
@@ -186,3 +186,82 @@ def stock_forward(
     out = model(input_ids=input_ids, use_cache=True, **kwargs)
     new = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
     return out.logits, new
+
+
+# ----- routing a model's own forward (ridgefill.patch) -----
+
+_PATCH_ATTR = "_ridgefill_patch"
+
+
+@dataclass
+class ForwardCall:
+    """The arguments of one call to a causal LM's forward that decide whether we can answer it."""
+
+    input_ids: torch.Tensor | None
+    attention_mask: torch.Tensor | None
+    position_ids: torch.Tensor | None
+    cache: DynamicCache | None
+    other_inputs: bool  # inputs_embeds or labels were given: only the stock forward can answer
+    use_cache: bool | None
+    logits_to_keep: int | torch.Tensor
+    return_dict: bool | None
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.input_ids is not None and (self.cache is None or self.cache.get_seq_length() == 0)
+
+
+def wrap_forward(model: PreTrainedModel, answer, state: object) -> None:
+    """Route `model.forward` through `answer(ForwardCall) -> (logits, cache) | None`.
+
+    None sends the call to the stock forward unchanged. The model's class is untouched: the wrap
+    is an attribute of this one instance, so `unwrap_forward` restores the model exactly.
+    `state` is kept on the model for `patch_state`.
+    """
+    if hasattr(model, _PATCH_ATTR):
+        raise RidgefillError("this model is already patched; call ridgefill.unpatch(model) first")
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    prior = model.__dict__.get("forward")  # an instance-level wrap someone else made (kept)
+    stock = model.forward
+    sig = inspect.signature(type(model).forward)
+    cache_name = _cache_kwarg(model)
+    out_field = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+    def forward(self, *args, **kwargs):
+        a = sig.bind_partial(self, *args, **kwargs).arguments
+        extra = a.get("kwargs", {})
+        call = ForwardCall(
+            input_ids=a.get("input_ids"),
+            attention_mask=a.get("attention_mask"),
+            position_ids=a.get("position_ids"),
+            cache=a.get(cache_name),
+            other_inputs=a.get("inputs_embeds") is not None or a.get("labels") is not None,
+            use_cache=a.get("use_cache"),
+            logits_to_keep=a.get("logits_to_keep", 0),
+            return_dict=extra.get("return_dict", a.get("return_dict")),
+        )
+        answered = answer(call)
+        if answered is None:
+            return stock(*args, **kwargs)
+        logits, cache_obj = answered
+        out = CausalLMOutputWithPast(logits=logits, **{out_field: cache_obj})
+        return out.to_tuple() if call.return_dict is False else out
+
+    model.forward = forward.__get__(model)
+    setattr(model, _PATCH_ATTR, (state, prior))
+
+
+def unwrap_forward(model: PreTrainedModel) -> None:
+    if not hasattr(model, _PATCH_ATTR):
+        raise RidgefillError("this model is not patched by ridgefill")
+    _, prior = getattr(model, _PATCH_ATTR)
+    del model.forward
+    if prior is not None:
+        model.forward = prior
+    delattr(model, _PATCH_ATTR)
+
+
+def patch_state(model: PreTrainedModel) -> object | None:
+    """What `wrap_forward` was given as `state`, or None for an unpatched model."""
+    return getattr(model, _PATCH_ATTR, (None, None))[0]
