@@ -62,3 +62,17 @@ def smollm2() -> LoadedModel:
     from ridgefill.models import load_model
 
     return load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_maps(tmp_path_factory):
+    """A folder with SmolLM2 ridge + kva maps at split 15, fitted on 6K tokens of the default corpus."""
+    from ridgefill.cli import main
+    from ridgefill.corpus import DEFAULT_CORPUS_DIR
+
+    if not DEFAULT_CORPUS_DIR.is_dir():
+        pytest.skip("needs Debian's python3.11-doc (`make` installs it)")
+    out = tmp_path_factory.mktemp("maps")
+    argv = ["fit", "--splits", "15", "--calib-tokens", "6144", "--heldout-tokens", "2048", "--segment-tokens", "1024"]
+    assert main([*argv, "--out", str(out), "--report", str(out / "fit.json")]) == 0
+    return out

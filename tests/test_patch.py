@@ -118,7 +118,8 @@ class _Collect(BaseStreamer):
 
 
 @pytest.mark.slow
-def test_smollm2_patched_generate(smollm2):
+def test_smollm2_patched_generate(smollm2, smollm2_maps):
+    from ridgefill.fit.maps import find_maps
     from ridgefill.generation import encode_prompt
 
     text = " ".join(f"Note {i}: the locker code for room {i} is {i * 37 % 1000}." for i in range(40))
@@ -133,8 +134,9 @@ def test_smollm2_patched_generate(smollm2):
         assert sampled.shape[1] == ids.shape[1] + 5 or sampled[0, -1] in ridgefill.generation.eos_ids(smollm2)
     finally:
         ridgefill.unpatch(smollm2.model)
-    ref = ridgefill.generate(smollm2, ids, "identity", max_new_tokens=10, settings=FillSettings(15, 4, 64))
-    ridgefill.patch(smollm2.model, method="identity", split=15, tail=64)
+    maps = find_maps(smollm2, "ridge", 15, smollm2_maps)
+    ref = ridgefill.generate(smollm2, ids, "ridge", max_new_tokens=10, maps=maps, settings=FillSettings(15, 4, 64))
+    ridgefill.patch(smollm2.model, maps, method="ridge", tail=64)
     try:
         assert _greedy(smollm2.model, ids, k=10) == ref.token_ids[:10] or ref.token_ids[
             -1

@@ -16,11 +16,8 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def maps_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("maps")
-    argv = ["fit", "--splits", "15", "--calib-tokens", "6144", "--heldout-tokens", "2048", "--segment-tokens", "1024"]
-    assert main([*argv, "--out", str(out), "--report", str(out / "fit.json")]) == 0
-    return out
+def maps_dir(smollm2_maps):
+    return smollm2_maps
 
 
 def test_fit_report_and_maps(maps_dir):

@@ -1,0 +1,164 @@
+"""lm-evaluation-harness model type `ridgefill`: the harness's requests through our prefill.
+
+What it is: `RidgefillLM`, registered as `--model ridgefill` when this module is imported
+(`python -m ridgefill.integrations.lmeval run ...` imports it, then runs the harness's own CLI).
+model_args: `pretrained` (a short name, HF folder or .gguf), `method` (exact, identity, ridge,
+kva), `maps` (a map folder; default the model's cache folder), `split`, `sink`, `tail`, `dtype`.
+
+How scoring meets the fill: only rows that run every layer have logits. So the scored tokens of
+a request always run fully: a continuation of up to `tail - 1` tokens is the tail of one
+prefill; a longer one (and `loglikelihood_rolling`) is scored in chunks of `tail - 1` tokens,
+each the tail of a prefill of everything before it, so the context is filled and the scored
+tokens are exact rows, as in `ridgefill eval`'s tail perplexity. With `exact` every chunk is the
+whole window at once. `generate_until` prefills with the method, then decodes with the stock
+model, stopping at the request's `until` strings. Batch size 1.
+"""
+
+from __future__ import annotations
+
+import lm_eval.models  # noqa: F401  (the harness fills its registry lazily only while it is empty)
+import torch
+import torch.nn.functional as F
+from lm_eval import utils as lm_utils
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from tqdm.auto import tqdm
+
+from ridgefill.engine import Engine
+from ridgefill.errors import RidgefillError
+from ridgefill.fit.maps import MAP_METHODS, find_maps
+from ridgefill.generation import stream_tokens
+from ridgefill.methods import FILL_METHODS, FillSettings, get_method, run_prefill
+from ridgefill.models import load_model
+
+
+@register_model("ridgefill")
+class RidgefillLM(TemplateLM):
+    def __init__(
+        self,
+        pretrained: str = "smollm2-135m",
+        method: str = "exact",
+        maps: str | None = None,
+        split: int | None = None,
+        sink: int = 4,
+        tail: int = 256,
+        dtype: str = "float32",
+        batch_size: int | str = 1,
+        **_: object,
+    ):
+        super().__init__()
+        get_method(method)
+        if str(batch_size) not in ("1", "auto"):
+            raise RidgefillError("the ridgefill model type runs batch size 1")
+        self.lm = load_model(pretrained, dtype=dtype)
+        self.tokenizer = self.lm.tokenizer
+        self.method = method
+        split = self.lm.num_layers // 2 if split is None else int(split)
+        self.settings = FillSettings(split, int(sink), int(tail))
+        self.settings.check(self.lm.num_layers)
+        self.kwargs: dict = {}
+        if method in FILL_METHODS:
+            self.kwargs["settings"] = self.settings
+        if method in MAP_METHODS:
+            self.kwargs["maps"] = find_maps(self.lm, method, split, maps)
+        self.engine = Engine(self.lm)
+
+    # ----- what TemplateLM needs -----
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        bos = self.tokenizer.bos_token_id
+        return bos if bos is not None else self.eot_token_id
+
+    @property
+    def max_length(self) -> int:
+        return self.lm.context_length
+
+    @property
+    def tokenizer_name(self) -> str:
+        return getattr(self.tokenizer, "name_or_path", self.lm.name).replace("/", "__")
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **_: object) -> list[int]:
+        return self.tokenizer.encode(string, add_special_tokens=bool(add_special_tokens))
+
+    def tok_decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    # ----- scoring -----
+
+    @torch.inference_mode()
+    def score(self, ids: list[int], start: int) -> tuple[float, bool]:
+        """Sum of log p(ids[t] | ids[:t]) for t >= start, and whether every one was the argmax."""
+        n = len(ids)
+        step = max(1, self.settings.tail - 1) if self.method in FILL_METHODS else n
+        total, greedy = 0.0, True
+        for a in range(max(1, start), n, step):
+            b = min(n, a + step)  # targets ids[a:b], read from rows a-1 .. b-2 of the prefix ids[:b]
+            x = torch.tensor([ids[:b]])
+            res = run_prefill(self.engine, x, self.method, logit_rows=torch.arange(a - 1, b - 1), **self.kwargs)
+            target = x[0, a:b]
+            logp = F.log_softmax(res.logits.float(), dim=-1)
+            total += float(logp.gather(1, target[:, None]).sum())
+            greedy &= bool((res.logits.argmax(-1) == target).all())
+        return total, greedy
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **_: object) -> list[tuple[float, bool]]:
+        out = []
+        for _, context, continuation in tqdm(requests, desc=f"loglikelihood ({self.method})", disable=disable_tqdm):
+            ids = (context + continuation)[-self.max_length :]  # left-truncated, as the harness does
+            out.append(self.score(ids, len(ids) - len(continuation)))
+        return out
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        out = []
+        for (text,) in tqdm([r.args for r in requests], desc=f"rolling ({self.method})", disable=disable_tqdm):
+            windows = map(
+                lm_utils.make_disjoint_window,
+                lm_utils.get_rolling_token_windows(
+                    token_list=self.tok_encode(text),
+                    prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length,
+                    context_len=1,
+                ),
+            )
+            out.append(sum(self.score(ctx + cont, len(ctx))[0] for ctx, cont in windows))
+        return out
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        out = []
+        for context, gen_kwargs in tqdm(
+            [r.args for r in requests], desc=f"generate ({self.method})", disable=disable_tqdm
+        ):
+            kw = dict(gen_kwargs)
+            until = kw.get("until") or [self.tok_decode([self.eot_token_id])]
+            until = [until] if isinstance(until, str) else list(until)
+            max_new = int(kw.get("max_gen_toks", 256))
+            temperature = float(kw.get("temperature", 0.0)) if kw.get("do_sample", False) else 0.0
+            ids = self.tok_encode(context)[-(self.max_length - max_new) :]
+            x = torch.tensor([ids])
+            pre = run_prefill(self.engine, x, self.method, **self.kwargs)
+            tokens: list[int] = []
+            text = ""
+            for tok in stream_tokens(self.lm, x, pre, max_new, temperature, 1.0, 1234):
+                tokens.append(tok)
+                text = self.tok_decode(tokens)
+                if any(u in text for u in until):
+                    break
+            cut = min((i for i in (text.find(u) for u in until) if i >= 0), default=len(text))
+            out.append(text[:cut])
+        return out
+
+
+def main() -> None:
+    """The harness's own CLI with the `ridgefill` model type registered."""
+    from lm_eval.__main__ import cli_evaluate
+
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()
