@@ -34,7 +34,7 @@ class PatchState:
 
     method: str
     settings: FillSettings
-    maps: FillMaps | None
+    maps: FillMaps | None = field(default=None, repr=False)
     ours: int = 0  # prefills our engine answered
     stock: int = 0  # calls passed to the stock forward
     engine: Engine | None = field(default=None, repr=False)
