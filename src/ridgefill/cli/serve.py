@@ -53,7 +53,8 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
         print(
             f"queue limit {limit:>3}: {r['requests']} requests, {r['ok']} ok, {r['rejected_429']} x 429, "
             f"{r['failed']} failed ({r['server_errors_5xx']} x 5xx); TTFT median {r['ttft_median_s']} s, "
-            f"max {r['ttft_max_s']} s; recovered: {r['recovered']}"
+            f"max {r['ttft_max_s']} s (model alone: median {r['model_ttft_median_s']} s, "
+            f"max {r['model_ttft_max_s']} s); recovered: {r['recovered']}"
         )
     if args.out:
         write_json(args.out, {"model": lm.name, "max_tokens": args.max_tokens, "runs": runs}, args.argv)

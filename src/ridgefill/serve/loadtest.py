@@ -2,8 +2,9 @@
 
 What it is: `run_load(url, model, clients, ...)` drives the server with the official `openai`
 async client (retries off, so every 429 is seen), measures client-side TTFT (request sent to
-first content chunk), counts outcomes by status, then sends one more request to check that the
-server recovered. What it is not: a throughput benchmark; prompts are short on purpose.
+first content chunk, queueing included) and the model's own TTFT from `usage`, counts outcomes
+by status, then sends one more request to check that the server recovered. What it is not: a
+throughput benchmark; prompts are short on purpose.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ async def _one(client, model: str, prompt: str, max_tokens: int) -> dict:
     import openai
 
     t0 = time.perf_counter()
-    first = None
+    first = model_ttft = None
     try:
         stream = await client.chat.completions.create(
             model=model,
@@ -29,7 +30,9 @@ async def _one(client, model: str, prompt: str, max_tokens: int) -> dict:
         async for chunk in stream:
             if first is None and chunk.choices and chunk.choices[0].delta.content:
                 first = time.perf_counter() - t0
-        return {"status": 200, "ttft_s": first, "total_s": time.perf_counter() - t0}
+            if chunk.usage is not None:
+                model_ttft = (chunk.usage.prefill or {}).get("ttft_s")
+        return {"status": 200, "ttft_s": first, "model_ttft_s": model_ttft, "total_s": time.perf_counter() - t0}
     except openai.APIStatusError as e:
         return {"status": e.status_code}
     except Exception as e:  # connection reset, timeout: a failure of the server
@@ -62,6 +65,7 @@ def run_load(
     wall = time.perf_counter() - t0
     after = asyncio.run(_load(url, model, 1, 1, max_tokens, timeout_s))[0]
     ttfts = sorted(r["ttft_s"] for r in rows if r["status"] == 200 and r["ttft_s"] is not None)
+    model = sorted(r["model_ttft_s"] for r in rows if r["status"] == 200 and r.get("model_ttft_s") is not None)
     statuses: dict[str, int] = {}
     for r in rows:
         statuses[str(r["status"])] = statuses.get(str(r["status"]), 0) + 1
@@ -75,6 +79,9 @@ def run_load(
         "statuses": statuses,
         "ttft_median_s": round(statistics.median(ttfts), 3) if ttfts else None,
         "ttft_max_s": round(max(ttfts), 3) if ttfts else None,
+        # the model's own TTFT (prefill + first token) from `usage`, without the time spent queued
+        "model_ttft_median_s": round(statistics.median(model), 3) if model else None,
+        "model_ttft_max_s": round(max(model), 3) if model else None,
         "wall_s": round(wall, 2),
         "recovered": after["status"] == 200,
         "errors": sorted({r["error"] for r in rows if "error" in r})[:5],
