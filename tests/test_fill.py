@@ -182,3 +182,65 @@ def test_shared_lower_layers_give_the_same_prefill(fitted):
     other = eng.run_lower(_ids(64).flip(1), 1)
     _assert_same(run_prefill(eng, ids, "exact", lower=other), eng.prefill_exact(ids), lm.num_layers)
     assert eng.run_lower(ids, 2, start=lower).upto == 2
+
+
+def test_pick_spans_centres_windows_on_peaks():
+    from ridgefill.methods.select import pick_spans
+
+    scores = torch.zeros(64)
+    scores[10], scores[50], scores[52] = 3.0, 2.0, 1.0
+    cand = torch.ones(64, dtype=torch.bool)
+    cand[60:] = False
+    m = pick_spans(scores, cand, rows=16, window=8)
+    assert m.nonzero().squeeze(1).tolist() == list(range(6, 14)) + list(range(46, 54))  # 52 fell inside 50's span
+    assert not pick_spans(scores, torch.zeros(64, dtype=torch.bool), 16, 8).any()
+
+
+def test_query_rows_covering_the_prompt_equal_exact(tiny):
+    ids = _ids(48)
+    eng = Engine(tiny)
+    s = FillSettings(split=1, sink=2, tail=4, outlier_factor=None, query_rows=96, query_window=2)
+    res = run_prefill(eng, ids, "identity", settings=s)
+    assert res.meta["bulk_rows"] == 0
+    _assert_same(res, eng.prefill_exact(ids), tiny.num_layers)
+
+
+def test_query_rows_find_the_rows_the_question_attends_to(fitted):
+    """The chosen rows are the ones with the most attention from the last queries at the split layer."""
+    from ridgefill.methods.select import pick_spans, token_scores
+
+    lm, _, _ = fitted
+    ids = _ids(96)
+    eng = Engine(lm)
+    st = eng.run_lower(ids, 1)
+    scores = token_scores(eng, 1, st.h, st.tables, last=8)
+    assert scores.shape == (96,) and bool((scores >= 0).all()) and float(scores.max()) <= 1.0
+    s = FillSettings(split=1, sink=2, tail=8, outlier_factor=None, query_rows=8, query_window=8, query_last=8)
+    res = run_prefill(eng, ids, "identity", settings=s)
+    assert res.meta["full_rows"] == 2 + 8 + 8 and res.meta["bulk_rows"] == 96 - 18
+    cand = torch.ones(96, dtype=torch.bool)
+    cand[:2] = cand[88:] = False
+    chosen = pick_spans(scores, cand, 8, 8)
+    peak = int(scores.masked_fill(~cand, -1).argmax())
+    assert chosen[peak] and chosen.sum() == 8
+    # The chosen rows really ran every layer: their deep K/V differ from the identity fill's.
+    plain = run_prefill(eng, ids, "identity", settings=FillSettings(split=1, sink=2, tail=8, outlier_factor=None))
+    k_q, k_p = hf.cache_kv(res.cache, 2)[0], hf.cache_kv(plain.cache, 2)[0]
+    assert not torch.allclose(k_q[:, :, peak], k_p[:, :, peak])
+    with pytest.raises(RidgefillError, match="query_rows"):
+        FillSettings(split=1, query_rows=-1).check(3)
+
+
+def test_method_variants_parse_into_settings(fitted):
+    import argparse
+
+    from ridgefill.cli.common import method_spec
+
+    lm, _, _ = fitted
+    args = argparse.Namespace(sink=4, tail=256, maps=None)
+    spec = method_spec(lm, "identity:query_rows=128:tail=64:outlier_factor=none", 1, args)
+    assert spec.label == "identity:query_rows=128:tail=64:outlier_factor=none" and spec.method == "identity"
+    assert spec.kwargs["settings"] == FillSettings(1, 4, 64, None, 128)
+    for bad in ("identity:depth=3", "identity:tail=x", "identity:tail", "magic"):
+        with pytest.raises(RidgefillError):
+            method_spec(lm, bad, 1, args)

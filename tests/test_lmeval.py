@@ -24,20 +24,22 @@ def _run(model, model_args, include):
     out = simple_evaluate(
         model=model,
         model_args=model_args,
-        tasks=["ridgefill_mini", "ridgefill_mini_ppl"],
+        tasks=["ridgefill_mini", "ridgefill_mini_ppl", "ridgefill_mini_gen"],
         task_manager=TaskManager(include_path=str(include)),
         log_samples=True,
         batch_size=1,
         device="cpu",
     )
-    lls = {
-        task: [
-            [float(r[0]) if isinstance(r, (list, tuple)) else float(r) for r in s["filtered_resps"]]
-            for s in sorted(out["samples"][task], key=lambda s: s["doc_id"])
-        ]
+
+    def value(r):  # (loglikelihood, is_greedy) -> loglikelihood; [text] -> text
+        while isinstance(r, (list, tuple)):
+            r = r[0]
+        return r if isinstance(r, str) else float(r)
+
+    return out["results"], {
+        task: [[value(r) for r in s["filtered_resps"]] for s in sorted(out["samples"][task], key=lambda s: s["doc_id"])]
         for task in out["samples"]
     }
-    return out["results"], lls
 
 
 def test_exact_matches_the_harness_hf_model_and_ridge_runs(monkeypatch, smollm2, smollm2_maps):
@@ -48,10 +50,12 @@ def test_exact_matches_the_harness_hf_model_and_ridge_runs(monkeypatch, smollm2,
     hf_dir, _ = resolve("smollm2-135m")
     ref_results, ref = _run("hf", f"pretrained={hf_dir},dtype=float32", include)
     ours_results, ours = _run("ridgefill", "pretrained=smollm2-135m,method=exact", include)
-    assert set(ref) == {"ridgefill_mini", "ridgefill_mini_ppl"} and all(len(v) == 4 for v in ref.values())
-    for task in ref:
+    assert set(ref) == {"ridgefill_mini", "ridgefill_mini_ppl", "ridgefill_mini_gen"}
+    assert all(len(v) == 4 for v in ref.values())
+    for task in ("ridgefill_mini", "ridgefill_mini_ppl"):
         for a, b in zip(ref[task], ours[task], strict=True):
             assert a == pytest.approx(b, abs=2e-3), task
+    assert ours["ridgefill_mini_gen"] == ref["ridgefill_mini_gen"]  # greedy generations agree
     assert ours_results["ridgefill_mini"]["acc,none"] == ref_results["ridgefill_mini"]["acc,none"]
     # ridge with a short tail really fills the passages (~90 tokens); the harness runs it end to end
     args = f"pretrained=smollm2-135m,method=ridge,maps={smollm2_maps},split=15,sink=4,tail=16"

@@ -109,7 +109,9 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="TTFT of methods side by side", epilog=EXAMPLES["bench"], formatter_class=fmt)
     model_args(b)
     b.add_argument("--lengths", default="1024,2048,4096,8192")
-    b.add_argument("--methods", default="exact,identity,ridge,kva")
+    b.add_argument(
+        "--methods", default="exact,identity,ridge,kva", help="variants as name:key=value, e.g. ridge:query_rows=256"
+    )
     fill_args(b)
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--corpus", default=None, help="text for the prompts (evaluation split is used)")
@@ -121,7 +123,7 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--length", type=int, default=4096)
     q.add_argument("--docs", type=int, default=8, help="held-out documents")
     q.add_argument("--splits", default="", help="comma-separated (default: half the layers)")
-    q.add_argument("--methods", default="identity,ridge,kva")
+    q.add_argument("--methods", default="identity,ridge,kva", help="variants as name:key=value, e.g. ridge:tail=512")
     fill_args(q, split=False)
     q.add_argument("--corpus", default=None)
     q.add_argument("--out", type=Path, default=None)
@@ -145,7 +147,11 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,vt")
     v.add_argument("--lengths", default="4096")
     v.add_argument("--samples", type=int, default=50, help="samples per task and length")
-    v.add_argument("--methods", default="identity,ridge", help="compared against exact, which always runs")
+    v.add_argument(
+        "--methods",
+        default="identity,ridge",
+        help="compared against exact; variants as name:key=value, e.g. ridge:tail=512",
+    )
     fill_args(v)
     v.add_argument("--ppl-docs", type=int, default=0, help="also measure tail perplexity on this many documents")
     v.add_argument("--seed", type=int, default=42)

@@ -32,7 +32,33 @@ def names(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
-def method_kwargs(lm, method: str, split: int, args: argparse.Namespace) -> dict:
+def method_spec(lm, spec: str, split: int | None, args: argparse.Namespace):
+    """A `MethodSpec` from `name[:key=value[:key=value...]]`, e.g. `ridge:query_rows=256:tail=512`.
+
+    Keys are `FillSettings` fields (split, sink, tail, outlier_factor, query_rows, ...); they
+    override the command's own options for this method only, so one run can compare variants.
+    """
+    from dataclasses import fields
+
+    from ridgefill.eval.ppl import MethodSpec
+    from ridgefill.methods import FillSettings, get_method
+
+    name, *opts = spec.split(":")
+    get_method(name)
+    known = {f.name: f.type for f in fields(FillSettings)}
+    over: dict = {}
+    for opt in opts:
+        key, eq, value = opt.partition("=")
+        if not eq or key not in known:
+            raise RidgefillError(f"bad method option {opt!r} in {spec!r}; use key=value with key in {', '.join(known)}")
+        try:
+            over[key] = None if value == "none" else (float(value) if key == "outlier_factor" else int(value))
+        except ValueError:
+            raise RidgefillError(f"bad value in {opt!r} (method {spec!r})") from None
+    return MethodSpec(spec, name, method_kwargs(lm, name, over.pop("split", split), args, **over))
+
+
+def method_kwargs(lm, method: str, split: int | None, args: argparse.Namespace, **settings) -> dict:
     """Keyword arguments a prefill method needs: settings, and maps for ridge/kva."""
     from ridgefill.fit.maps import find_maps
     from ridgefill.methods import FILL_METHODS, FillSettings
@@ -40,7 +66,9 @@ def method_kwargs(lm, method: str, split: int, args: argparse.Namespace) -> dict
     if method not in FILL_METHODS:
         return {}
     split = default_split(lm, split)
-    kwargs: dict = {"settings": FillSettings(split, args.sink, args.tail)}
+    base = {"sink": args.sink, "tail": args.tail, **settings}
+    kwargs: dict = {"settings": FillSettings(split, **base)}
+    kwargs["settings"].check(lm.num_layers)
     if method != "identity":
         kwargs["maps"] = find_maps(lm, method, split, args.maps)
     return kwargs

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ridgefill.cli.common import default_split, eval_tokens, ints, method_kwargs, names
+from ridgefill.cli.common import default_split, eval_tokens, ints, method_spec, names
 from ridgefill.errors import RidgefillError
 
 
@@ -36,29 +36,36 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from ridgefill.bench.ttft import BenchConfig, run_bench
-    from ridgefill.fit.maps import MAP_METHODS, find_maps
     from ridgefill.models import load_model
     from ridgefill.results import write_json
 
     lm = load_model(args.model, dtype=args.dtype)
     split = default_split(lm, args.split)
-    cfg = BenchConfig(ints(args.lengths), names(args.methods), split, args.sink, args.tail, args.repeats)
-    maps = {m: find_maps(lm, m, cfg.split, args.maps) for m in cfg.methods if m in MAP_METHODS}
+    cfg = BenchConfig(ints(args.lengths), args.repeats)
+    specs = [method_spec(lm, m, split, args) for m in names(args.methods)]
     prompts = {n: eval_tokens(lm, args.corpus, n, 1)[0] for n in cfg.lengths}
-    rows = run_bench(lm, cfg, prompts, maps)
-    print(f"{lm.name} ({args.dtype}), split {cfg.split}, sink {cfg.sink}, tail {cfg.tail}, {cfg.repeats} repeats")
+    rows = run_bench(lm, cfg, prompts, specs)
+    print(f"{lm.name} ({args.dtype}), split {split}, sink {args.sink}, tail {args.tail}, {cfg.repeats} repeats")
+    w = max(9, *(len(s.label) for s in specs))
     print(
-        f"{'length':>6} {'method':<9} {'median s':>9} {'speedup':>8} {'[min-max]':>13} {'FLOP bound':>10} "
+        f"{'length':>6} {'method':<{w}} {'median s':>9} {'speedup':>8} {'[min-max]':>13} {'FLOP bound':>10} "
         f"{'of bound':>8} {'tok/s':>8} {'peak MiB':>9}"
     )
     for r in rows:
         print(
-            f"{r['length']:>6} {r['method']:<9} {r['median_s']:9.3f} {r['speedup']:7.2f}x "
+            f"{r['length']:>6} {r['method']:<{w}} {r['median_s']:9.3f} {r['speedup']:7.2f}x "
             f"{r['speedup_min']:5.2f}-{r['speedup_max']:<5.2f}  {r['flop_bound']:9.2f}x {r['fraction_of_bound']:7.0%} "
             f"{r['tokens_per_s']:8.0f} {r['peak_mem_mb']:9.0f}"
         )
     if args.out:
-        write_json(args.out, {"model": lm.name, "dtype": args.dtype, "config": asdict(cfg), "results": rows}, args.argv)
+        config = {
+            **asdict(cfg),
+            "split": split,
+            "sink": args.sink,
+            "tail": args.tail,
+            "methods": [s.label for s in specs],
+        }
+        write_json(args.out, {"model": lm.name, "dtype": args.dtype, "config": config, "results": rows}, args.argv)
     return 0
 
 
@@ -75,7 +82,8 @@ def cmd_ppl(args: argparse.Namespace) -> int:
     specs = [MethodSpec("exact", "exact", {})]
     for split in ints(args.splits) or (default_split(lm, None),):
         for m in names(args.methods):
-            specs.append(MethodSpec(f"{m}@{split}", m, method_kwargs(lm, m, split, args)))
+            spec = method_spec(lm, m, split, args)
+            specs.append(MethodSpec(f"{m}@{split}", spec.method, spec.kwargs))
     rows = tail_ppl(Engine(lm), docs, specs, args.tail)
     print(f"{lm.name}: tail perplexity of the last {args.tail} tokens, {len(docs)} held-out documents of {args.length}")
     print(f"{'method':<14} {'tail NLL':>9} {'PPL':>8} {'vs exact':>9}")
@@ -149,7 +157,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             raise RidgefillError(f"length {n} exceeds {lm.name}'s context of {lm.context_length}")
     split = default_split(lm, args.split)
     methods = [m for m in names(args.methods) if m != "exact"]
-    specs = [MethodSpec("exact", "exact", {})] + [MethodSpec(m, m, method_kwargs(lm, m, split, args)) for m in methods]
+    specs = [MethodSpec("exact", "exact", {})] + [method_spec(lm, m, split, args) for m in methods]
     t0 = time.perf_counter()
     essay = essay_sentences([d.text for d in load_corpus(args.corpus).part("eval")])
     cache = args.cache or (

@@ -5,15 +5,16 @@ K/V for bulk rows are filled cheaply, in a few fused GEMMs and no per-row loop:
   - identity: the split state is every deep layer's input (through its own norm and K/V);
   - ridge: a fitted map predicts every deep layer's input (then its own norm and K/V);
   - kva: fitted maps predict every deep layer's pre-RoPE K and V directly.
-Full rows (the first `sink` tokens, the last `tail` tokens, massive-activation outliers) run
-every layer exactly, attending to the filled K/V. What it is not: a decoder; decode steps are
+Full rows (the first `sink` tokens, the last `tail` tokens, massive-activation outliers and,
+with `query_rows`, the spans the prompt's last tokens attend to at the split layer) run every
+layer exactly, attending to the filled K/V. What it is not: a decoder; decode steps are
 the stock model reading the cache this fills.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from transformers import DynamicCache
@@ -22,6 +23,7 @@ from ridgefill.engine import Engine, LowerState, PrefillResult
 from ridgefill.errors import RidgefillError
 from ridgefill.fit.maps import FillMaps
 from ridgefill.fit.ridge import fit_rows
+from ridgefill.methods.select import pick_spans, token_scores
 from ridgefill.models import hf
 from ridgefill.ops.attention import apply_rope
 
@@ -38,18 +40,26 @@ class FillSettings:
         tail: the last tokens, always full rows (they hold the question and feed decode).
         outlier_factor: bulk rows whose split-state norm exceeds this many times the median run
             fully, matching the rows the fit left out; None disables.
+        query_rows: about this many more rows run fully, chosen by the attention the last
+            `query_last` tokens pay them at the split layer (spans of `query_window` tokens
+            around the peaks; see methods/select.py); 0 disables.
     """
 
     split: int = 15
     sink: int = 4
     tail: int = 256
     outlier_factor: float | None = 8.0
+    query_rows: int = 0
+    query_window: int = 32
+    query_last: int = 64
 
     def check(self, num_layers: int) -> None:
         if not 0 <= self.split <= num_layers:
             raise RidgefillError(f"split {self.split} is outside 0..{num_layers}")
         if self.sink < 0 or self.tail < 1:
             raise RidgefillError("sink must be >= 0 and tail >= 1 (the last token always runs fully)")
+        if self.query_rows < 0 or self.query_window < 1 or self.query_last < 1:
+            raise RidgefillError("query_rows must be >= 0, query_window and query_last >= 1")
 
 
 def full_rows(h_split: torch.Tensor, n: int, s: FillSettings) -> torch.Tensor:
@@ -124,7 +134,7 @@ def prefill_fill(
         if maps.method != method:
             raise RidgefillError(f"these maps are for {maps.method!r}, not {method!r}")
         maps.check_model(engine.lm)
-        s = FillSettings(maps.split, s.sink, s.tail, s.outlier_factor)
+        s = replace(s, split=maps.split)
     parts = engine.parts
     s.check(parts.num_layers)
     n = engine.check_prompt(input_ids)
@@ -139,6 +149,12 @@ def prefill_fill(
     h, tables = st.h, st.tables
     cache = engine.cache_from(st.kv, into=cache)
     fpos = full_rows(h[0], n, s)
+    if s.query_rows:
+        full = torch.zeros(n, dtype=torch.bool)
+        full[fpos] = True
+        scores = token_scores(engine, s.split, h, tables, s.query_last)
+        full |= pick_spans(scores, ~full, s.query_rows, s.query_window)
+        fpos = full.nonzero().squeeze(1)
     bulk = torch.ones(n, dtype=torch.bool)
     bulk[fpos] = False
     bpos = bulk.nonzero().squeeze(1)
@@ -152,5 +168,5 @@ def prefill_fill(
     if (idx >= len(fpos)).any() or not torch.equal(fpos[idx.clamp(max=len(fpos) - 1)], rows):
         raise RidgefillError("logits were asked for rows that were filled, not run fully")
     logits = engine.logits(hfull[0, idx])
-    meta.update(ran_exact=False, full_rows=len(fpos), bulk_rows=len(bpos))
+    meta.update(ran_exact=False, full_rows=len(fpos), bulk_rows=len(bpos), full_positions=fpos)
     return PrefillResult(cache, logits, rows, n, st.seconds + time.perf_counter() - t0, method, meta)

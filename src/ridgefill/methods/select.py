@@ -1,0 +1,52 @@
+"""Query-aware full rows: the bulk tokens the prompt's last tokens attend to run every layer.
+
+What it is: before the deep layers, the queries of the prompt's last `last` tokens (where the
+question sits) are scored against every key at the split layer (per-head softmax, mean over
+those queries, max over heads); spans of `window` tokens centred on the highest-scoring tokens
+become full rows, up to `rows` of them. At split 15 of SmolLM2 the needle's best token ranks
+first among 3.8K bulk tokens in most NIAH samples; at layers 6-12 it ranks 40-130th. Peers use
+the same signal (GemFilter, MInference's last-64-queries index, CacheBlend). What it is not: a
+token dropper; unselected rows are still filled.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ridgefill.engine import Engine
+
+
+@torch.inference_mode()
+def token_scores(engine: Engine, layer: int, h: torch.Tensor, tables, last: int) -> torch.Tensor:
+    """(N,) attention mass the last `last` rows pay each position at `layer`. h: (1, N, d) its input."""
+    n = h.shape[1]
+    lp = engine.parts.layers[layer]
+    cos, sin = tables[lp.layer_type]
+    x = lp.input_norm(h)
+    qs = slice(max(0, n - last), n)
+    q = engine.project_q(layer, x[:, qs], cos[:, qs], sin[:, qs])  # (1, H, Q, hd)
+    k, _ = engine.project_kv(layer, x, cos, sin)  # (1, Hkv, N, hd)
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    att = (q @ k.transpose(-1, -2)) * lp.scaling  # (1, H, Q, N)
+    q_pos = torch.arange(n)[qs]
+    att = att.masked_fill(torch.arange(n)[None, :] > q_pos[:, None], float("-inf")).softmax(-1)
+    return att[0].mean(1).amax(0)  # mean over the queries, max over heads
+
+
+def pick_spans(scores: torch.Tensor, candidates: torch.Tensor, rows: int, window: int) -> torch.Tensor:
+    """Boolean (N,) mask: spans of `window` tokens centred on the highest-scoring candidate tokens.
+
+    Peaks are taken in score order, each one outside the spans already chosen, until about
+    `rows` rows are chosen (at most rows // window spans, so a loop of a few steps, not per row).
+    """
+    n = scores.shape[0]
+    chosen = torch.zeros(n, dtype=torch.bool)
+    s = scores.masked_fill(~candidates, float("-inf")).clone()
+    for _ in range(max(1, rows // window)):
+        p = int(s.argmax())
+        if s[p] == float("-inf"):
+            break
+        lo, hi = max(0, p - window // 2), min(n, p + (window + 1) // 2)
+        chosen[lo:hi] = True
+        s[lo:hi] = float("-inf")
+    return chosen & candidates
