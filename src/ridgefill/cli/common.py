@@ -18,6 +18,9 @@ def fill_args(p: argparse.ArgumentParser, split: bool = True) -> None:
         p.add_argument("--split", type=int, default=None, help="first layer that fills bulk rows (default: half)")
     p.add_argument("--sink", type=int, default=4, help="first tokens run fully")
     p.add_argument("--tail", type=int, default=256, help="last tokens run fully")
+    p.add_argument(
+        "--query-rows", type=int, default=0, help="about this many rows the question attends to run fully (0: off)"
+    )
     p.add_argument("--maps", type=Path, default=None, help="map folder (default: the model's cache folder)")
 
 
@@ -66,7 +69,7 @@ def method_kwargs(lm, method: str, split: int | None, args: argparse.Namespace, 
     if method not in FILL_METHODS:
         return {}
     split = default_split(lm, split)
-    base = {"sink": args.sink, "tail": args.tail, **settings}
+    base = {"sink": args.sink, "tail": args.tail, "query_rows": getattr(args, "query_rows", 0), **settings}
     kwargs: dict = {"settings": FillSettings(split, **base)}
     kwargs["settings"].check(lm.num_layers)
     if method != "identity":

@@ -21,7 +21,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise RidgefillError(f"port {args.port} is outside 0..65535")
     lm = load_model(args.model, dtype=args.dtype)
-    settings = FillSettings(default_split(lm, args.split), args.sink, args.tail)
+    settings = FillSettings(default_split(lm, args.split), args.sink, args.tail, query_rows=args.query_rows)
     cfg = ServeConfig.for_model(lm, args.method, settings, args.maps, args.max_queue)
     print(
         f"serving {lm.name} on http://{args.host}:{args.port}/v1 "
@@ -42,7 +42,7 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
     from ridgefill.serve.local import local_server
 
     lm = load_model(args.model, dtype=args.dtype)
-    settings = FillSettings(default_split(lm, args.split), args.sink, args.tail)
+    settings = FillSettings(default_split(lm, args.split), args.sink, args.tail, query_rows=args.query_rows)
     runs = []
     for limit in ints(args.queue_limits):
         cfg = ServeConfig.for_model(lm, args.method, settings, args.maps, limit)
