@@ -76,6 +76,45 @@ def eos_ids(lm: LoadedModel) -> set[int]:
     return ids
 
 
+class StopText:
+    """Generated token ids -> text, cut at the first stop string, with a streamable safe prefix.
+
+    `push` returns the new text that can no longer change: it holds back a possible beginning of
+    a stop string and a half-decoded UTF-8 character. `finish` becomes "stop" at an end-of-sequence
+    token or a stop string; `text` is then the answer, cut before the stop string.
+    """
+
+    def __init__(self, lm: LoadedModel, stop: list[str]):
+        self.lm, self.stop = lm, stop
+        self.eos = eos_ids(lm)
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.tokens: list[int] = []
+        self.text = ""
+        self.sent = 0
+        self.finish: str | None = None
+
+    def push(self, tok: int) -> str:
+        self.tokens.append(tok)
+        if tok in self.eos:
+            self.finish = "stop"
+            return ""
+        self.text = self.lm.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        cut = min((i for i in (self.text.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text, self.finish = self.text[:cut], "stop"
+            return ""
+        safe = len(self.text) - self.hold - (1 if self.text.endswith("\ufffd") else 0)
+        if safe <= self.sent:
+            return ""
+        delta, self.sent = self.text[self.sent : safe], safe
+        return delta
+
+    def rest(self) -> str:
+        """The text not yet returned by `push` (call once the stream has ended)."""
+        delta, self.sent = self.text[self.sent :], len(self.text)
+        return delta
+
+
 def _sampler(temperature: float, top_p: float, seed: int | None) -> Callable[[torch.Tensor], int]:
     if temperature < 0 or not 0 < top_p <= 1:
         raise RidgefillError("temperature must be >= 0 and top_p in (0, 1]")

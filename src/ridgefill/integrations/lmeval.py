@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from ridgefill.engine import Engine
 from ridgefill.errors import RidgefillError
 from ridgefill.fit.maps import MAP_METHODS, find_maps
-from ridgefill.generation import stream_tokens
+from ridgefill.generation import StopText, stream_tokens
 from ridgefill.methods import FILL_METHODS, FillSettings, get_method, run_prefill
 from ridgefill.models import load_model
 
@@ -141,15 +141,12 @@ class RidgefillLM(TemplateLM):
             ids = self.tok_encode(context)[-(self.max_length - max_new) :]
             x = torch.tensor([ids])
             pre = run_prefill(self.engine, x, self.method, **self.kwargs)
-            tokens: list[int] = []
-            text = ""
+            answer = StopText(self.lm, until)
             for tok in stream_tokens(self.lm, x, pre, max_new, temperature, 1.0, 1234):
-                tokens.append(tok)
-                text = self.tok_decode(tokens)
-                if any(u in text for u in until):
+                answer.push(tok)
+                if answer.finish:
                     break
-            cut = min((i for i in (text.find(u) for u in until) if i >= 0), default=len(text))
-            out.append(text[:cut])
+            out.append(answer.text)
         return out
 
 

@@ -105,9 +105,8 @@ def create_app(cfg: ServeConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        worker = state["worker"] = Worker(lm, cfg.max_queue)
-        metrics = state["metrics"] = Metrics(lambda: worker.waiting, lambda: worker.running)
-        worker._on_first, worker._on_done = metrics.first_token, metrics.finished
+        metrics = state["metrics"] = Metrics(lambda: state["worker"].waiting, lambda: state["worker"].running)
+        worker = state["worker"] = Worker(lm, cfg.max_queue, metrics.first_token, metrics.finished)
         yield
         worker.close()
 

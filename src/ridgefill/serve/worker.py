@@ -21,7 +21,7 @@ import torch
 
 from ridgefill.engine import Engine
 from ridgefill.errors import RidgefillError
-from ridgefill.generation import eos_ids, stream_tokens
+from ridgefill.generation import StopText, stream_tokens
 from ridgefill.methods import run_prefill
 from ridgefill.models.loading import LoadedModel
 
@@ -67,7 +67,6 @@ class Worker:
         self._on_first, self._on_done = on_first, on_done
         self._lock = threading.Lock()
         self._jobs: queue.Queue[Job | None] = queue.Queue()
-        self._eos = eos_ids(lm)
         self._thread = threading.Thread(target=self._loop, name="ridgefill-model", daemon=True)
         self._thread.start()
 
@@ -113,12 +112,10 @@ class Worker:
     def _run(self, job: Job) -> None:
         t0 = time.perf_counter()
         pre = run_prefill(Engine(self.lm), job.input_ids, job.method, **job.method_kwargs)
-        tokens: list[int] = []
-        sent, finish = 0, "length"
-        hold = max((len(s) for s in job.stop), default=1) - 1
-        text = ""
+        out = StopText(self.lm, job.stop)
+        finish = "length"
         for tok in stream_tokens(self.lm, job.input_ids, pre, job.max_tokens, job.temperature, job.top_p, job.seed):
-            if not tokens:
+            if not out.tokens:
                 ttft = time.perf_counter() - t0
                 meta = {"method": job.method, "ran_exact": bool(pre.meta.get("ran_exact", job.method == "exact"))}
                 job.emit("first", ttft, meta)
@@ -127,21 +124,13 @@ class Worker:
             if job.state == "cancelled":
                 finish = "cancelled"
                 break
-            tokens.append(tok)
-            if tok in self._eos:
-                finish = "stop"
+            if delta := out.push(tok):
+                job.emit("text", delta)
+            if out.finish:
+                finish = out.finish
                 break
-            text = self.lm.tokenizer.decode(tokens, skip_special_tokens=True)
-            cut = min((i for i in (text.find(s) for s in job.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                text, finish = text[:cut], "stop"
-                break
-            safe = len(text) - hold - (1 if text.endswith("\ufffd") else 0)  # hold back a possible stop prefix
-            if safe > sent:
-                job.emit("text", text[sent:safe])
-                sent = safe
-        if len(text) > sent:
-            job.emit("text", text[sent:])
-        job.emit("done", finish, len(tokens))
+        if delta := out.rest():
+            job.emit("text", delta)
+        job.emit("done", finish, len(out.tokens))
         if self._on_done:
-            self._on_done(int(job.input_ids.shape[1]), len(tokens))
+            self._on_done(int(job.input_ids.shape[1]), len(out.tokens))
