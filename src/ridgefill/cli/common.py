@@ -62,19 +62,13 @@ def method_spec(lm, spec: str, split: int | None, args: argparse.Namespace):
 
 
 def method_kwargs(lm, method: str, split: int | None, args: argparse.Namespace, **settings) -> dict:
-    """Keyword arguments a prefill method needs: settings, and maps for ridge/kva."""
-    from ridgefill.fit.maps import find_maps
-    from ridgefill.methods import FILL_METHODS, FillSettings
+    """Keyword arguments a prefill method needs: settings from the command's options, and maps for ridge/kva."""
+    from ridgefill.methods import FILL_METHODS, FillSettings, prefill_kwargs
 
     if method not in FILL_METHODS:
         return {}
-    split = default_split(lm, split)
     base = {"sink": args.sink, "tail": args.tail, "query_rows": getattr(args, "query_rows", 0), **settings}
-    kwargs: dict = {"settings": FillSettings(split, **base)}
-    kwargs["settings"].check(lm.num_layers)
-    if method != "identity":
-        kwargs["maps"] = find_maps(lm, method, split, args.maps)
-    return kwargs
+    return prefill_kwargs(lm, method, FillSettings(default_split(lm, split), **base), args.maps)
 
 
 def default_split(lm, split: int | None) -> int:

@@ -26,9 +26,8 @@ from tqdm.auto import tqdm
 
 from ridgefill.engine import Engine
 from ridgefill.errors import RidgefillError
-from ridgefill.fit.maps import MAP_METHODS, find_maps
 from ridgefill.generation import StopText, stream_tokens
-from ridgefill.methods import FILL_METHODS, FillSettings, get_method, run_prefill
+from ridgefill.methods import FILL_METHODS, FillSettings, get_method, prefill_kwargs, run_prefill
 from ridgefill.models import load_model
 
 
@@ -56,11 +55,7 @@ class RidgefillLM(TemplateLM):
         split = self.lm.num_layers // 2 if split is None else int(split)
         self.settings = FillSettings(split, int(sink), int(tail))
         self.settings.check(self.lm.num_layers)
-        self.kwargs: dict = {}
-        if method in FILL_METHODS:
-            self.kwargs["settings"] = self.settings
-        if method in MAP_METHODS:
-            self.kwargs["maps"] = find_maps(self.lm, method, split, maps)
+        self.kwargs = prefill_kwargs(self.lm, method, self.settings, maps)
         self.engine = Engine(self.lm)
 
     # ----- what TemplateLM needs -----

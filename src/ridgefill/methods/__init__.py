@@ -19,7 +19,7 @@ from ridgefill.methods.fill import FILL_METHODS, FillSettings, prefill_fill
 
 PrefillFn = Callable[..., PrefillResult]
 
-__all__ = ["FILL_METHODS", "METHODS", "FillSettings", "get_method", "run_prefill"]
+__all__ = ["FILL_METHODS", "METHODS", "FillSettings", "get_method", "prefill_kwargs", "run_prefill"]
 
 
 def _exact(
@@ -49,6 +49,21 @@ def get_method(name: str) -> PrefillFn:
         return METHODS[name]
     except KeyError:
         raise RidgefillError(f"unknown prefill method {name!r}; choose one of {', '.join(METHODS)}") from None
+
+
+def prefill_kwargs(lm, method: str, settings: FillSettings, maps_dir=None) -> dict[str, Any]:
+    """What `run_prefill` needs for `method`: nothing for exact, settings for a fill, plus the
+    fitted maps (from `maps_dir`, default the model's cache folder) for ridge and kva."""
+    from ridgefill.fit.maps import MAP_METHODS, find_maps
+
+    get_method(method)
+    if method not in FILL_METHODS:
+        return {}
+    settings.check(lm.num_layers)
+    kwargs: dict[str, Any] = {"settings": settings}
+    if method in MAP_METHODS:
+        kwargs["maps"] = find_maps(lm, method, settings.split, maps_dir)
+    return kwargs
 
 
 def run_prefill(engine: Engine, input_ids: torch.Tensor, method: str = "exact", **kwargs: Any) -> PrefillResult:

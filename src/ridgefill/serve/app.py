@@ -23,9 +23,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ridgefill.errors import MapError, RidgefillError
-from ridgefill.fit.maps import MAP_METHODS, find_maps, load_maps
+from ridgefill.fit.maps import MAP_METHODS, load_maps
 from ridgefill.generation import encode_chat, encode_prompt
-from ridgefill.methods import FillSettings
+from ridgefill.methods import FillSettings, prefill_kwargs
 from ridgefill.models.loading import LoadedModel
 from ridgefill.serve.metrics import Metrics
 from ridgefill.serve.protocol import (
@@ -81,7 +81,7 @@ class ServeConfig:
         else:
             for name in MAP_METHODS:
                 try:
-                    methods[name] = {"maps": find_maps(lm, name, s.split, maps), "settings": s}
+                    methods[name] = prefill_kwargs(lm, name, s, maps)
                 except MapError as e:
                     problems[name] = str(e)
         if method is None:
