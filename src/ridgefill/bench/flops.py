@@ -1,23 +1,33 @@
 """A FLOP model of each prefill path: what it computes, counted in multiply-accumulates.
 
 What it is: per-layer counts of projections, MLP, attention (keys actually visible under the
-causal and sliding-window masks) and fill maps, for exact and for a fill configuration. The
-ratio exact / method is the speedup bound a perfect implementation would reach. What it is
-not: a timer; norms, RoPE and softmax are left out as lower-order terms.
+causal and sliding-window masks, or kept by a sparse kernel) and fill maps, for exact and for
+the plan of what a skipping method ran (fill, gate). The ratio exact / method is the speedup
+bound a perfect implementation would reach. What it is not: a timer; norms, RoPE, softmax and
+the gate's scoring are left out as lower-order terms.
 """
 
 from __future__ import annotations
 
+import torch
+
 from ridgefill.models.hf import ModelParts
 
 
-def _visible(pos: int, window: int | None) -> int:
-    return pos + 1 if window is None else min(pos + 1, window)
+def _attn_macs(rows, window: int | None, heads: int, head_dim: int, keys: torch.Tensor | None = None) -> int:
+    """QK^T and PV: 2 * head_dim MACs per (query, visible key, head).
 
-
-def _attn_macs(rows: list[int] | range, window: int | None, heads: int, head_dim: int) -> int:
-    # QK^T and PV: 2 * head_dim MACs per (query, visible key, head).
-    return sum(_visible(p, window) for p in rows) * heads * head_dim * 2
+    rows: query positions; keys: sorted key positions (default every position up to the last row).
+    A key is visible when it is at or before the query and, with a window W, less than W behind it.
+    """
+    q = torch.as_tensor(list(rows) if isinstance(rows, range) else rows, dtype=torch.long)
+    if q.numel() == 0:
+        return 0
+    k = torch.arange(int(q.max()) + 1) if keys is None else keys
+    seen = torch.searchsorted(k, q, right=True)
+    if window is not None:
+        seen = seen - torch.searchsorted(k, q - window, right=True)
+    return int(seen.sum()) * heads * head_dim * 2
 
 
 def layer_costs(parts: ModelParts, i: int) -> dict[str, int]:
@@ -39,23 +49,44 @@ def exact_macs(parts: ModelParts, n: int) -> int:
     return total
 
 
-def fill_macs(parts: ModelParts, n: int, method: str, split: int, full: list[int]) -> int:
-    """MACs of a fill prefill whose full rows are the positions `full`."""
+def plan_macs(parts: ModelParts, n: int, plan: dict) -> int:
+    """MACs of a skipping prefill described by its `plan` (what `PrefillResult.meta["plan"]` holds).
+
+    plan keys: `split` (layers below it run every row), `full` (positions that run the deep layers),
+    `filled` (bulk rows whose deep K/V are filled), `fill` (identity, ridge, kva or none),
+    `deep_keys` (sorted key positions the deep layers' full rows see; default full + every filled
+    row, i.e. all rows), and `lower_pairs` (visible query-key pairs per lower full-attention layer
+    under a sparse kernel; default dense).
+    """
     d = parts.hidden_size
-    n_bulk = n - len(full)
+    split, full, n_fill, fill = plan["split"], plan["full"], plan["filled"], plan["fill"]
+    full = torch.as_tensor(full, dtype=torch.long)
+    keys = plan.get("deep_keys")
+    lower_pairs = list(plan.get("lower_pairs") or [])
     total = 0
     for i, lp in enumerate(parts.layers):
         c = layer_costs(parts, i)
+        per_attn_pair = lp.num_heads * lp.head_dim * 2
         if i < split:
             total += n * (c["q"] + c["kv"] + c["o"] + c["mlp"])
-            total += _attn_macs(range(n), lp.sliding_window, lp.num_heads, lp.head_dim)
+            if lower_pairs and lp.sliding_window is None:
+                total += lower_pairs.pop(0) * per_attn_pair
+            else:
+                total += _attn_macs(range(n), lp.sliding_window, lp.num_heads, lp.head_dim)
             continue
         total += len(full) * (c["q"] + c["kv"] + c["o"] + c["mlp"])
-        total += _attn_macs(full, lp.sliding_window, lp.num_heads, lp.head_dim)
-        if i == split or method == "identity":
-            total += n_bulk * c["kv"]
-        elif method == "ridge":
-            total += n_bulk * ((d + 1) * d + c["kv"])
-        elif method == "kva":
-            total += n_bulk * (d + 1) * c["kv_out"]
+        total += _attn_macs(full, lp.sliding_window, lp.num_heads, lp.head_dim, keys)
+        if fill == "none":
+            continue
+        if i == split or fill == "identity":
+            total += n_fill * c["kv"]
+        elif fill == "ridge":
+            total += n_fill * ((d + 1) * d + c["kv"])
+        elif fill == "kva":
+            total += n_fill * (d + 1) * c["kv_out"]
     return total
+
+
+def fill_macs(parts: ModelParts, n: int, method: str, split: int, full: list[int]) -> int:
+    """MACs of a fill prefill whose full rows are the positions `full` (every other row filled)."""
+    return plan_macs(parts, n, {"split": split, "full": full, "filled": n - len(full), "fill": method})

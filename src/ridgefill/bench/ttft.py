@@ -3,7 +3,8 @@
 What it is: for each prompt length, every method runs on the same prompt, in an order rotated
 each repeat, after a warm-up. Reported per method: median/min/max prefill seconds, the speedup
 against exact (ratio of medians, with min/max of the per-repeat paired ratios), the FLOP-model
-bound and the measured fraction of it, tokens/s and peak memory above the start of the call.
+bound and the measured fraction of it, the time inside attention calls alone and its speedup,
+tokens/s and peak memory above the start of the call.
 What it is not: an accuracy measurement; `ridgefill ppl` and `ridgefill eval` give those.
 """
 
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from ridgefill.bench.flops import exact_macs, fill_macs
+from ridgefill.bench.flops import exact_macs, plan_macs
 from ridgefill.bench.memory import PeakRSS
 from ridgefill.engine import Engine
 from ridgefill.errors import RidgefillError
@@ -31,12 +32,11 @@ class BenchConfig:
     warmup: int = 1
 
 
-def _flop_bound(engine: Engine, n: int, spec: MethodSpec, full: torch.Tensor | None) -> float:
-    """Exact's MACs over this method's, for the full rows its last run chose (None: all rows)."""
-    if spec.method == "exact" or full is None or len(full) == n:
+def _flop_bound(engine: Engine, n: int, plan: dict | None) -> float:
+    """Exact's MACs over this method's, for what its last run computed (None: it ran exact)."""
+    if plan is None:
         return 1.0
-    split = spec.runs_fully_below
-    return exact_macs(engine.parts, n) / fill_macs(engine.parts, n, spec.method, split, full.tolist())
+    return exact_macs(engine.parts, n) / plan_macs(engine.parts, n, plan)
 
 
 def run_bench(lm: LoadedModel, cfg: BenchConfig, prompts: dict[int, list[int]], specs: list[MethodSpec]) -> list[dict]:
@@ -56,16 +56,18 @@ def run_bench(lm: LoadedModel, cfg: BenchConfig, prompts: dict[int, list[int]], 
             raise RidgefillError(f"length {n} exceeds {lm.name}'s context of {lm.context_length}")
         ids = torch.tensor([prompts[n]])
         times: dict[str, list[float]] = {m: [] for m in labels}
+        attn: dict[str, list[float]] = {m: [] for m in labels}
         peaks: dict[str, float] = dict.fromkeys(labels, 0.0)
-        full: dict[str, torch.Tensor | None] = {}
+        plans: dict[str, dict | None] = {}
         for rep in range(cfg.warmup + cfg.repeats):
             order = specs[rep % len(specs) :] + specs[: rep % len(specs)]
             for spec in order:
                 with PeakRSS() as mem:
                     res = run_prefill(engine, ids, spec.method, **spec.kwargs)
-                full[spec.label] = None if res.meta.get("ran_exact", True) else res.meta["full_positions"]
+                plans[spec.label] = None if res.meta.get("ran_exact", True) else res.meta["plan"]
                 if rep >= cfg.warmup:
                     times[spec.label].append(res.seconds)
+                    attn[spec.label].append(res.meta["attn_s"])
                     peaks[spec.label] = max(peaks[spec.label], mem.peak_mb)
                 bar.update()
         ex = times["exact"]
@@ -73,8 +75,9 @@ def run_bench(lm: LoadedModel, cfg: BenchConfig, prompts: dict[int, list[int]], 
             m = spec.label
             t = times[m]
             ratios = [e / x for e, x in zip(ex, t, strict=True)]
-            bound = _flop_bound(engine, n, spec, full[m])
+            bound = _flop_bound(engine, n, plans[m])
             speed = statistics.median(ex) / statistics.median(t)
+            attn_m = statistics.median(attn[m])
             rows.append(
                 {
                     "length": n,
@@ -87,9 +90,12 @@ def run_bench(lm: LoadedModel, cfg: BenchConfig, prompts: dict[int, list[int]], 
                     "speedup_max": round(max(ratios), 3),
                     "flop_bound": round(bound, 3),
                     "fraction_of_bound": round(speed / bound, 3),
+                    "attn_median_s": round(attn_m, 4),
+                    "attn_speedup": round(statistics.median(attn["exact"]) / attn_m, 3) if attn_m > 0 else None,
                     "tokens_per_s": round(n / statistics.median(t), 1),
                     "peak_mem_mb": round(peaks[m], 1),
-                    "full_rows": n if full[m] is None else len(full[m]),
+                    "full_rows": n if plans[m] is None else len(plans[m]["full"]),
+                    "ran_exact": plans[m] is None,
                     "repeats": cfg.repeats,
                 }
             )

@@ -38,37 +38,42 @@ def names(text: str) -> tuple[str, ...]:
 def method_spec(lm, spec: str, split: int | None, args: argparse.Namespace):
     """A `MethodSpec` from `name[:key=value[:key=value...]]`, e.g. `ridge:query_rows=256:tail=512`.
 
-    Keys are `FillSettings` fields (split, sink, tail, outlier_factor, query_rows, ...); they
-    override the command's own options for this method only, so one run can compare variants.
+    Keys are fields of the method's settings (`FillSettings` for identity/ridge/kva/gated-ridge:
+    split, sink, tail, query_rows, drop, ...; `GateSettings` for tokengate: gate_layer, keep,
+    sparse_keep, ...); they override the command's own options for this method only, so one run
+    can compare variants.
     """
     from dataclasses import fields
 
     from ridgefill.eval.ppl import MethodSpec
-    from ridgefill.methods import FillSettings, get_method
+    from ridgefill.methods import SETTINGS, get_method
 
     name, *opts = spec.split(":")
     get_method(name)
-    known = {f.name: f.type for f in fields(FillSettings)}
+    known = {f.name: f.type for f in fields(SETTINGS[name][0])} if name in SETTINGS else {}
     over: dict = {}
     for opt in opts:
         key, eq, value = opt.partition("=")
         if not eq or key not in known:
-            raise RidgefillError(f"bad method option {opt!r} in {spec!r}; use key=value with key in {', '.join(known)}")
+            raise RidgefillError(
+                f"bad method option {opt!r} in {spec!r}; use key=value with key in {', '.join(known) or '(none)'}"
+            )
         try:
-            over[key] = None if value == "none" else (float(value) if key == "outlier_factor" else int(value))
+            over[key] = None if value == "none" else (float(value) if "float" in str(known[key]) else int(value))
         except ValueError:
             raise RidgefillError(f"bad value in {opt!r} (method {spec!r})") from None
     return MethodSpec(spec, name, method_kwargs(lm, name, over.pop("split", split), args, **over))
 
 
 def method_kwargs(lm, method: str, split: int | None, args: argparse.Namespace, **settings) -> dict:
-    """Keyword arguments a prefill method needs: settings from the command's options, and maps for ridge/kva."""
-    from ridgefill.methods import FILL_METHODS, FillSettings, prefill_kwargs
+    """Keyword arguments a prefill method needs: its settings from the command's options (over the
+    method's own defaults), and maps for the methods that read them."""
+    from ridgefill.methods import prefill_kwargs, settings_for
 
-    if method not in FILL_METHODS:
-        return {}
-    base = {"sink": args.sink, "tail": args.tail, "query_rows": getattr(args, "query_rows", 0), **settings}
-    return prefill_kwargs(lm, method, FillSettings(default_split(lm, split), **base), args.maps)
+    base = {"split": default_split(lm, split), "sink": args.sink, "tail": args.tail}
+    if getattr(args, "query_rows", 0):
+        base["query_rows"] = args.query_rows
+    return prefill_kwargs(lm, method, settings_for(method, **{**base, **settings}), args.maps)
 
 
 def default_split(lm, split: int | None) -> int:

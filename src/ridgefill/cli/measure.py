@@ -49,13 +49,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     w = max(9, *(len(s.label) for s in specs))
     print(
         f"{'length':>6} {'method':<{w}} {'median s':>9} {'speedup':>8} {'[min-max]':>13} {'FLOP bound':>10} "
-        f"{'of bound':>8} {'tok/s':>8} {'peak MiB':>9}"
+        f"{'of bound':>8} {'attn s':>8} {'attn x':>7} {'tok/s':>8} {'peak MiB':>9}"
     )
     for r in rows:
         print(
             f"{r['length']:>6} {r['method']:<{w}} {r['median_s']:9.3f} {r['speedup']:7.2f}x "
             f"{r['speedup_min']:5.2f}-{r['speedup_max']:<5.2f}  {r['flop_bound']:9.2f}x {r['fraction_of_bound']:7.0%} "
-            f"{r['tokens_per_s']:8.0f} {r['peak_mem_mb']:9.0f}"
+            f"{r['attn_median_s']:8.3f} {r['attn_speedup'] or 0:6.2f}x {r['tokens_per_s']:8.0f} {r['peak_mem_mb']:9.0f}"
         )
     if args.out:
         config = {

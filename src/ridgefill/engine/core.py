@@ -10,6 +10,7 @@ in `ridgefill.methods` and reuse the pieces here.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +22,7 @@ from ridgefill.models.loading import LoadedModel
 from ridgefill.ops.attention import apply_rope, attend
 
 RopeTables = dict[str, tuple[torch.Tensor, torch.Tensor]]
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 @dataclass
@@ -55,6 +57,7 @@ class LowerState:
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer below `upto`: k, v (1, H_kv, N, hd)
     tables: RopeTables
     seconds: float
+    attn_seconds: float = 0.0  # the part of `seconds` spent in attention
 
 
 class Engine:
@@ -64,6 +67,9 @@ class Engine:
         self.lm = lm
         self.parts = lm.parts
         self.dtype = lm.dtype
+        # Seconds spent inside attention calls since this engine was made; methods report the
+        # difference across one prefill, so the bench can show attention-only time.
+        self.attn_seconds = 0.0
 
     # ----- pieces the fill methods reuse -----
 
@@ -148,6 +154,7 @@ class Engine:
         pos: torch.Tensor,
         tables: RopeTables,
         extra_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        attention: AttentionFn | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Run one layer fully on rows `pos`, attending to their own K/V plus `extra_kv`.
 
@@ -155,6 +162,8 @@ class Engine:
             h: (1, T, d) inputs of the rows at positions `pos` (T,), ascending.
             tables: rotary tables for every prompt position.
             extra_kv: (k, v, positions) of rows filled by other means, or None.
+            attention: replaces dense attention in full-attention layers when every row 0..T-1 runs
+                (a sparse kernel, `ridgefill.methods.gate`); called as attention(q, k, v, scaling).
         Returns:
             (h_next (1, T, d), k_all, v_all (1, H_kv, T_all, hd), k_pos (T_all,)) with keys
             of the union of rows in position order.
@@ -168,7 +177,12 @@ class Engine:
         k_pos = pos
         if extra_kv is not None:
             k, v, k_pos = merge_by_position((k, v, pos), extra_kv)
-        attn = attend(q, k, v, pos, k_pos, lp.scaling, lp.sliding_window)
+        t0 = time.perf_counter()
+        if attention is not None and extra_kv is None and lp.sliding_window is None and len(pos) == int(pos[-1]) + 1:
+            attn = attention(q, k, v, lp.scaling)
+        else:
+            attn = attend(q, k, v, pos, k_pos, lp.scaling, lp.sliding_window)
+        self.attn_seconds += time.perf_counter() - t0
         return self.finish_layer(layer_idx, h, attn), k, v, k_pos
 
     def logits(self, h_rows: torch.Tensor) -> torch.Tensor:
@@ -183,20 +197,32 @@ class Engine:
         return hf.new_cache(self.lm.model)
 
     @torch.inference_mode()
-    def run_lower(self, input_ids: torch.Tensor, upto: int, start: LowerState | None = None) -> LowerState:
-        """Run layers [0, upto) on every row, continuing from `start` when it is for this prompt and below `upto`."""
+    def run_lower(
+        self,
+        input_ids: torch.Tensor,
+        upto: int,
+        start: LowerState | None = None,
+        attention: AttentionFn | None = None,
+    ) -> LowerState:
+        """Run layers [0, upto) on every row, continuing from `start` when it is for this prompt and below `upto`.
+
+        `attention`: a sparse replacement for dense attention (see `layer`); `start` is then ignored,
+        since the layers it ran were dense.
+        """
         n = self.check_prompt(input_ids)
-        t0 = time.perf_counter()
-        if start is not None and start.upto <= upto and torch.equal(start.input_ids, input_ids):
-            h, kv, tables, begin, before = start.h, list(start.kv), start.tables, start.upto, start.seconds
+        t0, a0 = time.perf_counter(), self.attn_seconds
+        if attention is None and start is not None and start.upto <= upto and torch.equal(start.input_ids, input_ids):
+            h, kv, tables, begin = start.h, list(start.kv), start.tables, start.upto
+            before, attn_before = start.seconds, start.attn_seconds
         else:
             h = self.embed(input_ids)  # (1, N, d)
-            kv, tables, begin, before = [], self.rope(n, h), 0, 0.0
+            kv, tables, begin, before, attn_before = [], self.rope(n, h), 0, 0.0, 0.0
         pos = torch.arange(n)
         for i in range(begin, upto):
-            h, k, v, _ = self.layer(i, h, pos, tables)
+            h, k, v, _ = self.layer(i, h, pos, tables, attention=attention)
             kv.append((k, v))
-        return LowerState(input_ids, upto, h, kv, tables, before + time.perf_counter() - t0)
+        seconds = before + time.perf_counter() - t0
+        return LowerState(input_ids, upto, h, kv, tables, seconds, attn_before + self.attn_seconds - a0)
 
     def cache_from(self, kv: list[tuple[torch.Tensor, torch.Tensor]], into: DynamicCache | None = None) -> DynamicCache:
         """A stock cache holding layers 0..len(kv)-1 (the tensors are shared, never written).
@@ -232,7 +258,8 @@ class Engine:
         t0 = time.perf_counter()
         cache = self.cache_from(st.kv, into=cache)
         logits = self.logits(st.h[0, rows])
-        return PrefillResult(cache, logits, rows, n, st.seconds + time.perf_counter() - t0, "exact")
+        meta = {"attn_s": st.attn_seconds}
+        return PrefillResult(cache, logits, rows, n, st.seconds + time.perf_counter() - t0, "exact", meta)
 
 
 def merge_by_position(

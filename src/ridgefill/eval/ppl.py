@@ -28,14 +28,17 @@ class MethodSpec:
 
     @property
     def runs_fully_below(self) -> int | None:
-        """Layers every row runs before this method departs from exact (None: all of them)."""
+        """Layers every row runs densely before this method departs from exact (None: all of them)."""
         maps, settings = self.kwargs.get("maps"), self.kwargs.get("settings")
-        return maps.split if maps is not None else settings.split if settings is not None else None
+        if settings is None:
+            return None
+        below = settings.dense_below
+        return maps.split if maps is not None and below else below
 
 
 def shared_lower(engine: Engine, ids: torch.Tensor, specs: list[MethodSpec]) -> LowerState | None:
     """The layers every spec runs in full on this prompt, run once (None when only exact is there)."""
-    splits = [s.runs_fully_below for s in specs if s.runs_fully_below is not None]
+    splits = [s.runs_fully_below for s in specs if s.runs_fully_below]
     return engine.run_lower(ids, min(splits)) if splits else None
 
 

@@ -8,6 +8,7 @@ returns a `PrefillResult` whose cache the stock model decodes from.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -16,10 +17,20 @@ from transformers import DynamicCache
 from ridgefill.engine import Engine, LowerState, PrefillResult
 from ridgefill.errors import RidgefillError
 from ridgefill.methods.fill import FILL_METHODS, FillSettings, prefill_fill
+from ridgefill.methods.gate import GateSettings, prefill_tokengate
 
 PrefillFn = Callable[..., PrefillResult]
 
-__all__ = ["FILL_METHODS", "METHODS", "FillSettings", "get_method", "prefill_kwargs", "run_prefill"]
+__all__ = [
+    "FILL_METHODS",
+    "METHODS",
+    "FillSettings",
+    "GateSettings",
+    "get_method",
+    "prefill_kwargs",
+    "run_prefill",
+    "settings_for",
+]
 
 
 def _exact(
@@ -33,15 +44,32 @@ def _exact(
     return engine.prefill_exact(input_ids, logit_rows, lower, cache)
 
 
-def _fill(method: str) -> PrefillFn:
+def _fill(method: str, label: str | None = None) -> PrefillFn:
     def run(engine: Engine, input_ids: torch.Tensor, **kwargs: Any) -> PrefillResult:
-        return prefill_fill(engine, input_ids, method=method, **kwargs)
+        res = prefill_fill(engine, input_ids, method=method, **kwargs)
+        res.method = label or method
+        return res
 
-    run.__name__ = f"prefill_{method}"
+    run.__name__ = f"prefill_{(label or method).replace('-', '_')}"
     return run
 
 
-METHODS: dict[str, PrefillFn] = {"exact": _exact, **{m: _fill(m) for m in FILL_METHODS}}
+METHODS: dict[str, PrefillFn] = {
+    "exact": _exact,
+    **{m: _fill(m) for m in FILL_METHODS},
+    "tokengate": prefill_tokengate,
+    # Three tiers (issue 6): gate-chosen rows run fully, the middle is ridge-filled, the rest dropped.
+    "gated-ridge": _fill("ridge", "gated-ridge"),
+}
+
+# Settings class of each method that takes settings, and the defaults that make it that method.
+SETTINGS: dict[str, tuple[type, dict[str, Any]]] = {
+    **{m: (FillSettings, {}) for m in FILL_METHODS},
+    "gated-ridge": (FillSettings, {"query_rows": 256, "drop": 0.5}),
+    "tokengate": (GateSettings, {}),
+}
+# Which fitted maps a method reads.
+MAPS_OF = {"ridge": "ridge", "kva": "kva", "gated-ridge": "ridge"}
 
 
 def get_method(name: str) -> PrefillFn:
@@ -51,18 +79,34 @@ def get_method(name: str) -> PrefillFn:
         raise RidgefillError(f"unknown prefill method {name!r}; choose one of {', '.join(METHODS)}") from None
 
 
-def prefill_kwargs(lm, method: str, settings: FillSettings, maps_dir=None) -> dict[str, Any]:
-    """What `run_prefill` needs for `method`: nothing for exact, settings for a fill, plus the
-    fitted maps (from `maps_dir`, default the model's cache folder) for ridge and kva."""
-    from ridgefill.fit.maps import MAP_METHODS, find_maps
+def settings_for(method: str, **values: Any) -> FillSettings | GateSettings | None:
+    """The method's settings from `values` (keys its settings class lacks are ignored), over the
+    method's own defaults; None for exact."""
+    from dataclasses import fields
 
     get_method(method)
-    if method not in FILL_METHODS:
+    if method not in SETTINGS:
+        return None
+    cls, defaults = SETTINGS[method]
+    names = {f.name for f in fields(cls)}
+    return cls(**{**defaults, **{k: v for k, v in values.items() if k in names}})
+
+
+def prefill_kwargs(lm, method: str, settings: FillSettings | GateSettings | None, maps_dir=None) -> dict[str, Any]:
+    """What `run_prefill` needs for `method`: nothing for exact, its settings, plus the fitted maps
+    (from `maps_dir`, default the model's cache folder) for the methods that read them."""
+    from ridgefill.fit.maps import find_maps
+
+    get_method(method)
+    if method not in SETTINGS:
         return {}
+    settings = settings if settings is not None else settings_for(method)
     settings.check(lm.num_layers)
+    if isinstance(settings, GateSettings) and settings.gate_layer is None:
+        settings = replace(settings, gate_layer=settings.layer(lm.num_layers))
     kwargs: dict[str, Any] = {"settings": settings}
-    if method in MAP_METHODS:
-        kwargs["maps"] = find_maps(lm, method, settings.split, maps_dir)
+    if method in MAPS_OF:
+        kwargs["maps"] = find_maps(lm, MAPS_OF[method], settings.split, maps_dir)
     return kwargs
 
 

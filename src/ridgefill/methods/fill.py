@@ -23,7 +23,8 @@ from ridgefill.engine import Engine, LowerState, PrefillResult
 from ridgefill.errors import RidgefillError
 from ridgefill.fit.maps import FillMaps
 from ridgefill.fit.ridge import fit_rows
-from ridgefill.methods.select import pick_spans, token_scores
+from ridgefill.methods.gate import check_fraction, run_lower
+from ridgefill.methods.select import pick_spans, token_scores, top_blocks
 from ridgefill.models import hf
 from ridgefill.ops.attention import apply_rope
 
@@ -43,6 +44,12 @@ class FillSettings:
         query_rows: about this many more rows run fully, chosen by the attention the last
             `query_last` tokens pay them at the split layer (spans of `query_window` tokens
             around the peaks; see methods/select.py); 0 disables.
+        drop: the three-tier `gated-ridge`: this fraction of the bulk rows, the lowest-scoring
+            blocks of `block` tokens by the same split-layer score, is neither filled nor run in
+            the deep layers (absent from their cache, as in methods/gate.py); 0 disables.
+        sparse_keep: fraction of causal key blocks the layers below the split attend to
+            (block-sparse, methods/gate.py); 1 is dense.
+        block: tokens per block for `drop` and `sparse_keep`.
     """
 
     split: int = 15
@@ -52,6 +59,14 @@ class FillSettings:
     query_rows: int = 0
     query_window: int = 32
     query_last: int = 64
+    drop: float = 0.0
+    sparse_keep: float = 1.0
+    block: int = 64
+
+    @property
+    def dense_below(self) -> int:
+        """Layers every row runs densely, as exact does (0 with sparse attention below the split)."""
+        return self.split if self.sparse_keep >= 1 else 0
 
     def check(self, num_layers: int) -> None:
         if not 0 <= self.split <= num_layers:
@@ -60,6 +75,9 @@ class FillSettings:
             raise RidgefillError("sink must be >= 0 and tail >= 1 (the last token always runs fully)")
         if self.query_rows < 0 or self.query_window < 1 or self.query_last < 1:
             raise RidgefillError("query_rows must be >= 0, query_window and query_last >= 1")
+        if not 0 <= self.drop < 1 or self.block < 1:
+            raise RidgefillError(f"drop must be in [0, 1) and block >= 1, got drop {self.drop}, block {self.block}")
+        check_fraction("sparse_keep", self.sparse_keep)
 
 
 def full_rows(h_split: torch.Tensor, n: int, s: FillSettings) -> torch.Tensor:
@@ -142,31 +160,49 @@ def prefill_fill(
     if s.split >= parts.num_layers - 1 or n <= s.sink + s.tail:
         res = engine.prefill_exact(input_ids, logit_rows, lower, cache)
         res.method = method
-        res.meta = {**meta, "ran_exact": True, "reason": "nothing to fill (short prompt or split at the top)"}
+        res.meta = {
+            **meta,
+            **res.meta,
+            "ran_exact": True,
+            "reason": "nothing to fill (short prompt or split at the top)",
+        }
         return res
-    st = engine.run_lower(input_ids, s.split, start=lower)
-    t0 = time.perf_counter()
+    st, pairs = run_lower(engine, input_ids, s.split, s.sparse_keep, s.block, lower)
+    t0, a0 = time.perf_counter(), engine.attn_seconds
     h, tables = st.h, st.tables
     cache = engine.cache_from(st.kv, into=cache)
-    fpos = full_rows(h[0], n, s)
-    if s.query_rows:
-        full = torch.zeros(n, dtype=torch.bool)
-        full[fpos] = True
+    full = torch.zeros(n, dtype=torch.bool)
+    full[full_rows(h[0], n, s)] = True
+    bulk = ~full
+    if s.query_rows or s.drop:
         scores = token_scores(engine, s.split, h, tables, s.query_last)
-        full |= pick_spans(scores, ~full, s.query_rows, s.query_window)
-        fpos = full.nonzero().squeeze(1)
-    bulk = torch.ones(n, dtype=torch.bool)
-    bulk[fpos] = False
-    bpos = bulk.nonzero().squeeze(1)
+        if s.query_rows:
+            full |= pick_spans(scores, ~full, s.query_rows, s.query_window)
+        bulk = ~full
+        if s.drop:
+            bulk = top_blocks(scores, bulk, round((1 - s.drop) * int(bulk.sum())), s.block)
+    fpos, bpos = full.nonzero().squeeze(1), bulk.nonzero().squeeze(1)
+    kept = None if s.drop == 0 else (full | bulk).nonzero().squeeze(1)
     filled = _bulk_kv(engine, method, h[:, bpos], bpos, s.split, maps, tables)
     hfull = h[:, fpos]
     for i in range(s.split, parts.num_layers):
         hfull, k, v, _ = engine.layer(i, hfull, fpos, tables, extra_kv=(*filled.pop(i), bpos))
-        hf.cache_update(cache, k, v, i)
+        hf.cache_update(cache, k, v, i, true_length=None if kept is None else n)
     rows = torch.tensor([n - 1]) if logit_rows is None else logit_rows
     idx = torch.searchsorted(fpos, rows)
     if (idx >= len(fpos)).any() or not torch.equal(fpos[idx.clamp(max=len(fpos) - 1)], rows):
         raise RidgefillError("logits were asked for rows that were filled, not run fully")
     logits = engine.logits(hfull[0, idx])
-    meta.update(ran_exact=False, full_rows=len(fpos), bulk_rows=len(bpos), full_positions=fpos)
+    plan = {
+        "split": s.split,
+        "full": fpos,
+        "filled": len(bpos),
+        "fill": method,
+        "deep_keys": kept,
+        "lower_pairs": pairs,
+    }
+    attn_s = st.attn_seconds + engine.attn_seconds - a0
+    meta.update(
+        ran_exact=False, full_rows=len(fpos), bulk_rows=len(bpos), full_positions=fpos, plan=plan, attn_s=attn_s
+    )
     return PrefillResult(cache, logits, rows, n, st.seconds + time.perf_counter() - t0, method, meta)

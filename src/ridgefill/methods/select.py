@@ -50,3 +50,22 @@ def pick_spans(scores: torch.Tensor, candidates: torch.Tensor, rows: int, window
         chosen[lo:hi] = True
         s[lo:hi] = float("-inf")
     return chosen & candidates
+
+
+def top_blocks(scores: torch.Tensor, candidates: torch.Tensor, rows: int, block: int) -> torch.Tensor:
+    """Boolean (N,) mask: candidate rows of the highest-scoring aligned blocks of `block` tokens.
+
+    A block's score is its best candidate's; blocks are taken best first until at least `rows`
+    candidate rows are chosen (all of them when `rows` covers every candidate).
+    """
+    n = scores.shape[0]
+    nb = -(-n // block)
+    pad = nb * block - n
+    s = torch.nn.functional.pad(scores.masked_fill(~candidates, float("-inf")), (0, pad), value=float("-inf"))
+    c = torch.nn.functional.pad(candidates, (0, pad)).view(nb, block).sum(1)  # (nb,) candidates per block
+    order = s.view(nb, block).amax(1).argsort(descending=True)
+    upto = int(torch.searchsorted(c[order].cumsum(0), torch.tensor(rows)))  # blocks needed to reach `rows`
+    chosen = torch.zeros(nb, dtype=torch.bool)
+    chosen[order[: upto + 1] if rows > 0 else order[:0]] = True
+    chosen &= c > 0
+    return chosen.repeat_interleave(block)[:n] & candidates

@@ -160,9 +160,20 @@ def new_cache(model: PreTrainedModel) -> DynamicCache:
     return DynamicCache(config=model.config)
 
 
-def cache_update(cache_obj: DynamicCache, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> None:
-    """Append post-RoPE keys and values, each (B, H_kv, T, D), to one layer."""
+def cache_update(
+    cache_obj: DynamicCache, k: torch.Tensor, v: torch.Tensor, layer_idx: int, true_length: int | None = None
+) -> None:
+    """Append post-RoPE keys and values, each (B, H_kv, T, D), to one layer.
+
+    `true_length`: the prompt's length when this layer gets only some of its rows (a token gate
+    dropped the others). A sliding-window layer derives its decode mask offsets from the number of
+    tokens it has seen, so it is told the true one; a full-attention layer simply holds fewer keys
+    (transformers skips the decode mask for one unpadded query, so each layer reads what it holds).
+    """
     cache_obj.update(k, v, layer_idx)
+    layer = cache_obj.layers[layer_idx]
+    if true_length is not None and hasattr(layer, "cumulative_length"):
+        layer.cumulative_length = true_length
 
 
 def cache_kv(cache_obj: DynamicCache, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:

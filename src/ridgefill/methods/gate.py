@@ -1,0 +1,175 @@
+"""TokenGate: training-free token gating in prefill, and the sparse attention the gated methods share.
+
+What it is: layers below the gate layer run on every row (optionally with block-sparse attention,
+`sparse_keep` < 1). At the gate layer, every token is scored by the attention the prompt's last
+`query_last` tokens pay it (methods/select.py, the signal GemFilter and MInference's last-queries
+index use); the highest-scoring blocks of `block` tokens, the sinks, a local window before the
+tail and the tail itself continue; the other rows stop there. From the gate layer up, the kept
+rows attend only to each other (dense attention over the kept subset, which is block-sparse
+attention whose kept blocks are the gate's).
+
+Dropped tokens' KV: absent from the gate layer and above. The cache holds every row for the
+layers below the gate and only the kept rows above it, so decode sees exactly what the prompt's
+last rows saw in prefill. Positions are untouched (RoPE uses true positions; a sliding-window
+layer's cache keeps the prompt's true length), so decoding continues at position N.
+
+Length gate: prompts shorter than `min_length` run exact, since gating short prompts costs more
+than it saves; the default comes from the per-model thresholds measured by `ridgefill bench`
+(data/length_gate.json). What it is not: a fill; `gated-ridge` (methods/fill.py with `drop`)
+composes the gate with RidgeFill.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from importlib import resources
+
+import torch
+from transformers import DynamicCache
+
+from ridgefill.engine import Engine, LowerState, PrefillResult
+from ridgefill.errors import RidgefillError
+from ridgefill.methods.select import token_scores, top_blocks
+from ridgefill.models import hf
+from ridgefill.ops.sparse import block_layout, block_sparse_attend
+
+
+@dataclass(frozen=True)
+class GateSettings:
+    """Where the gate sits and what it keeps.
+
+    Attributes:
+        gate_layer: rows the gate drops stop before this layer (None: a quarter of the layers).
+        keep: fraction in (0, 1] of the prompt's rows that continue past the gate, always-kept rows
+            included.
+        block: tokens per gate block and per sparse-attention block.
+        sink, local, tail: the first tokens, the tokens before the tail, and the last tokens;
+            always kept.
+        query_last: how many of the last tokens score the others.
+        sparse_keep: fraction in (0, 1] of causal key blocks the layers below the gate attend to
+            (1: dense attention there).
+        min_length: prompts shorter than this run exact (None: the model's measured threshold).
+    """
+
+    gate_layer: int | None = None
+    keep: float = 0.25
+    block: int = 64
+    sink: int = 4
+    local: int = 256
+    tail: int = 256
+    query_last: int = 64
+    sparse_keep: float = 1.0
+    min_length: int | None = None
+
+    @property
+    def dense_below(self) -> int | None:
+        """Layers every row runs densely, as exact does (None until the gate layer is resolved)."""
+        return (self.gate_layer if self.sparse_keep >= 1 else 0) if self.gate_layer is not None else None
+
+    def layer(self, num_layers: int) -> int:
+        return max(1, num_layers // 4) if self.gate_layer is None else self.gate_layer
+
+    def check(self, num_layers: int) -> None:
+        g = self.layer(num_layers)
+        if not 1 <= g < num_layers:
+            raise RidgefillError(f"gate layer {g} is outside the model's 1..{num_layers - 1}")
+        check_fraction("keep", self.keep)
+        check_fraction("sparse_keep", self.sparse_keep)
+        if self.block < 1 or self.sink < 0 or self.local < 0 or self.tail < 1 or self.query_last < 1:
+            raise RidgefillError("block, tail and query_last must be >= 1; sink and local >= 0")
+
+
+def check_fraction(name: str, value: float) -> None:
+    if not 0 < value <= 1:
+        raise RidgefillError(f"{name} must be in (0, 1], got {value}")
+
+
+def length_threshold(model_name: str) -> int:
+    """The measured length below which gating loses to exact for this model (0 when unmeasured)."""
+    table = json.loads(resources.files("ridgefill").joinpath("data/length_gate.json").read_text())
+    return int(table["models"].get(model_name, {}).get("min_length", 0))
+
+
+class SparseAttention:
+    """Block-sparse attention for full-attention layers below the gate; records the pairs it computed."""
+
+    def __init__(self, keep: float, block: int):
+        self.keep, self.block = keep, block
+        self.pairs: list[int] = []  # visible (query, key) pairs per call, for the FLOP model
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+        layout = block_layout(q, k, self.block, scaling, self.keep)
+        n = q.shape[2]
+        rows = torch.full((layout.shape[0],), self.block)
+        rows[-1] = n - self.block * (layout.shape[0] - 1)
+        off_diag = torch.tril(layout, diagonal=-1).sum(1)
+        self.pairs.append(int((off_diag * self.block * rows + rows * (rows + 1) // 2).sum()))
+        return block_sparse_attend(q, k, v, layout, self.block, scaling)
+
+
+def run_lower(engine: Engine, ids: torch.Tensor, upto: int, sparse_keep: float, block: int, lower: LowerState | None):
+    """Layers [0, upto) on every row, dense (reusing `lower`) or block-sparse; returns (state, pairs or None)."""
+    if sparse_keep >= 1:
+        return engine.run_lower(ids, upto, start=lower), None
+    attn = SparseAttention(sparse_keep, block)
+    return engine.run_lower(ids, upto, attention=attn), attn.pairs
+
+
+def always_kept(n: int, sink: int, local: int, tail: int) -> torch.Tensor:
+    """(N,) bool: the sinks, the local window before the tail, and the tail."""
+    keep = torch.zeros(n, dtype=torch.bool)
+    keep[:sink] = True
+    keep[max(0, n - tail - local) :] = True
+    return keep
+
+
+@torch.inference_mode()
+def prefill_tokengate(
+    engine: Engine,
+    input_ids: torch.Tensor,
+    settings: GateSettings | None = None,
+    logit_rows: torch.Tensor | None = None,
+    lower: LowerState | None = None,
+    cache: DynamicCache | None = None,
+    **_: object,
+) -> PrefillResult:
+    """TokenGate prefill of a (1, N) prompt; see the module docstring.
+
+    Args:
+        logit_rows: positions whose logits to return (must be kept rows); default the last.
+        lower: dense layers already run on this prompt, reused when below the gate.
+        cache: an empty stock cache to fill (default: a new one).
+    """
+    s = settings or GateSettings()
+    parts = engine.parts
+    s.check(parts.num_layers)
+    n = engine.check_prompt(input_ids)
+    g = s.layer(parts.num_layers)
+    min_length = length_threshold(engine.lm.name) if s.min_length is None else s.min_length
+    meta: dict = {"settings": {**asdict(s), "gate_layer": g, "min_length": min_length}}
+    if n < min_length or n <= s.sink + s.local + s.tail:
+        res = engine.prefill_exact(input_ids, logit_rows, lower, cache)
+        res.method = "tokengate"
+        res.meta = {**meta, **res.meta, "ran_exact": True, "reason": f"below the length gate ({min_length} tokens)"}
+        return res
+    st, pairs = run_lower(engine, input_ids, g, s.sparse_keep, s.block, lower)
+    t0, a1 = time.perf_counter(), engine.attn_seconds
+    cache = engine.cache_from(st.kv, into=cache)
+    scores = token_scores(engine, g, st.h, st.tables, s.query_last)
+    always = always_kept(n, s.sink, s.local, s.tail)
+    kept = always | top_blocks(scores, ~always, max(0, int(s.keep * n) - int(always.sum())), s.block)
+    kpos = kept.nonzero().squeeze(1)
+    h = st.h[:, kpos]
+    for i in range(g, parts.num_layers):
+        h, k, v, _ = engine.layer(i, h, kpos, st.tables)
+        hf.cache_update(cache, k, v, i, true_length=n)
+    rows = torch.tensor([n - 1]) if logit_rows is None else logit_rows
+    if not bool(kept[rows].all()):
+        raise RidgefillError("logits were asked for rows the gate dropped")
+    logits = engine.logits(h[0, torch.searchsorted(kpos, rows)])
+    attn_s = st.attn_seconds + engine.attn_seconds - a1
+    plan = {"split": g, "full": kpos, "filled": 0, "fill": "none", "deep_keys": kpos, "lower_pairs": pairs}
+    meta.update(ran_exact=False, kept_rows=len(kpos), full_positions=kpos, plan=plan, attn_s=attn_s)
+    return PrefillResult(cache, logits, rows, n, st.seconds + time.perf_counter() - t0, "tokengate", meta)

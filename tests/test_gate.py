@@ -1,0 +1,172 @@
+"""TokenGate and block-sparse attention: keep-everything paths equal exact/dense; the gate does what it says."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import make_tiny
+from ridgefill.bench.flops import exact_macs, plan_macs
+from ridgefill.engine import Engine
+from ridgefill.errors import RidgefillError
+from ridgefill.methods import FillSettings, GateSettings, run_prefill
+from ridgefill.methods.gate import length_threshold
+from ridgefill.methods.select import top_blocks
+from ridgefill.models import hf
+from ridgefill.ops.sparse import block_layout, block_sparse_attend
+from test_fill import _assert_same, _ids
+
+
+def _qkv(n: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(1, 4, n, 16, generator=g),
+        torch.randn(1, 2, n, 16, generator=g),
+        torch.randn(1, 2, n, 16, generator=g),
+    )
+
+
+@pytest.mark.parametrize("n,block", [(64, 16), (100, 16), (7, 16), (130, 32)])
+def test_block_sparse_with_every_block_equals_dense(n, block):
+    q, k, v = _qkv(n)
+    nb = -(-n // block)
+    dense = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25, enable_gqa=True)
+    sparse = block_sparse_attend(q, k, v, torch.ones(nb, nb, dtype=torch.bool), block, 0.25)
+    torch.testing.assert_close(sparse, dense, atol=1e-5, rtol=0)
+
+
+def test_block_sparse_equals_dense_with_the_block_mask():
+    n, block = 100, 16
+    q, k, v = _qkv(n, seed=1)
+    layout = block_layout(q, k, block, 0.25, keep=0.4)
+    expanded = layout.repeat_interleave(block, 0).repeat_interleave(block, 1)[:n, :n]
+    mask = expanded & torch.ones(n, n, dtype=torch.bool).tril()
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25, enable_gqa=True)
+    torch.testing.assert_close(block_sparse_attend(q, k, v, layout, block, 0.25), ref, atol=1e-5, rtol=0)
+
+
+def test_block_layout_keeps_sinks_local_and_diagonal():
+    q, k, _ = _qkv(256, seed=2)
+    layout = block_layout(q, k, 16, 0.25, keep=0.3, sink_blocks=1, local_blocks=1)
+    nb = 16
+    assert not torch.triu(layout, diagonal=1).any()
+    assert layout[:, 0].all() and layout.diagonal().all() and layout.diagonal(-1).all()
+    kept = layout.sum(1)
+    assert (kept <= torch.clamp(torch.ceil(0.3 * torch.arange(1, nb + 1)).long(), min=3)).all()
+    assert kept[-1] < nb  # something was dropped
+    assert block_layout(q, k, 16, 0.25, keep=1.0).equal(torch.ones(nb, nb, dtype=torch.bool).tril())
+    with pytest.raises(ValueError, match="keep"):
+        block_layout(q, k, 16, 0.25, keep=0.0)
+
+
+def test_top_blocks_takes_the_best_blocks_until_enough_rows():
+    scores = torch.zeros(40)
+    scores[33], scores[5] = 2.0, 1.0
+    cand = torch.ones(40, dtype=torch.bool)
+    cand[:2] = False
+    m = top_blocks(scores, cand, rows=10, block=8)
+    assert m.nonzero().squeeze(1).tolist() == list(range(2, 8)) + list(range(32, 40))
+    assert not top_blocks(scores, cand, rows=0, block=8).any()
+    assert top_blocks(scores, cand, rows=100, block=8).equal(cand)
+
+
+def _gate(**kw) -> GateSettings:
+    return GateSettings(**{"gate_layer": 1, "block": 8, "sink": 2, "local": 4, "tail": 4, "min_length": 0, **kw})
+
+
+def test_keep_all_gate_equals_exact(tiny):
+    ids = _ids(60)
+    eng = Engine(tiny)
+    res = run_prefill(eng, ids, "tokengate", settings=_gate(keep=1.0))
+    assert not res.meta["ran_exact"] and res.meta["kept_rows"] == 60
+    _assert_same(res, eng.prefill_exact(ids), tiny.num_layers)
+
+
+def test_keep_all_gate_with_every_sparse_block_equals_exact(tiny):
+    ids = _ids(60)
+    eng = Engine(tiny)
+    res = run_prefill(eng, ids, "tokengate", settings=_gate(keep=1.0, sparse_keep=1.0 - 1e-9))
+    assert res.meta["plan"]["lower_pairs"] or tiny.parts.layers[0].sliding_window
+    _assert_same(res, eng.prefill_exact(ids), tiny.num_layers)
+
+
+def _reference_step(eng: Engine, ids: torch.Tensor, kept: torch.Tensor, gate: int) -> torch.Tensor:
+    """Logits of the last row of `ids` when layers >= gate see only `kept` rows plus that row."""
+    n = ids.shape[1]
+    st = eng.run_lower(ids, gate)
+    pos = torch.cat([kept, torch.tensor([n - 1])])
+    h = st.h[:, pos]
+    for i in range(gate, eng.parts.num_layers):
+        h, *_ = eng.layer(i, h, pos, st.tables)
+    return eng.logits(h[0, -1:])
+
+
+def test_decode_after_gating_sees_exactly_the_kept_rows(tiny):
+    """The stock model decodes from the gated cache; the step must equal attending to the kept rows only."""
+    n = 64
+    ids = _ids(n + 1)
+    eng = Engine(tiny)
+    res = run_prefill(eng, ids[:, :n], "tokengate", settings=_gate(keep=0.5))
+    kept = res.meta["full_positions"]
+    assert 0 < len(kept) < n and res.cache.get_seq_length() == n
+    assert hf.cache_kv(res.cache, 0)[0].shape[2] == n or tiny.parts.layers[0].sliding_window
+    with torch.inference_mode():
+        logits, _ = hf.stock_forward(tiny.model, ids[:, n:], res.cache)
+        ref = _reference_step(eng, ids, kept, 1)
+    torch.testing.assert_close(logits[0, -1:].float(), ref, atol=1e-4, rtol=0)
+
+
+def test_length_gate_sends_short_prompts_to_exact(tiny):
+    ids = _ids(60)
+    eng = Engine(tiny)
+    res = run_prefill(eng, ids, "tokengate", settings=_gate(keep=0.25, min_length=61))
+    assert res.meta["ran_exact"] and "length gate" in res.meta["reason"]
+    _assert_same(res, eng.prefill_exact(ids), tiny.num_layers)
+    assert not run_prefill(eng, ids, "tokengate", settings=_gate(keep=0.25, min_length=60)).meta["ran_exact"]
+    assert length_threshold("no-such-model") == 0
+
+
+@pytest.mark.parametrize(
+    "settings,match",
+    [
+        (dict(keep=0.0), "keep"),
+        (dict(keep=1.5), "keep"),
+        (dict(sparse_keep=0.0), "sparse_keep"),
+        (dict(gate_layer=3), "gate layer 3"),
+        (dict(gate_layer=0), "gate layer 0"),
+        (dict(block=0), "block"),
+    ],
+)
+def test_bad_gate_settings_are_refused(settings, match):
+    lm = make_tiny("llama")
+    with pytest.raises(RidgefillError, match=match):
+        run_prefill(Engine(lm), _ids(60), "tokengate", settings=_gate(**settings))
+    with pytest.raises(RidgefillError, match="drop"):
+        run_prefill(Engine(lm), _ids(60), "identity", settings=FillSettings(split=1, drop=1.0))
+
+
+def test_gated_fill_drops_rows_and_decodes(tiny):
+    ids = _ids(80)
+    eng = Engine(tiny)
+    base = FillSettings(split=1, sink=2, tail=8, outlier_factor=None, block=8)
+    plain = run_prefill(eng, ids, "identity", settings=base)
+    scored = run_prefill(eng, ids, "identity", settings=FillSettings(**{**base.__dict__, "drop": 0.5}))
+    assert scored.meta["bulk_rows"] <= plain.meta["bulk_rows"] // 2 + 8
+    deep = hf.cache_kv(scored.cache, tiny.num_layers - 1)[0].shape[2]
+    assert deep == scored.meta["full_rows"] + scored.meta["bulk_rows"] or tiny.parts.layers[-1].sliding_window
+    assert scored.cache.get_seq_length() == 80
+    with torch.inference_mode():
+        logits, _ = hf.stock_forward(tiny.model, ids[:, -1:], scored.cache)
+    assert torch.isfinite(logits).all()
+
+
+def test_plan_macs():
+    lm = make_tiny("llama")
+    n = 64
+    everything = {"split": 1, "full": list(range(n)), "filled": 0, "fill": "none"}
+    assert plan_macs(lm.parts, n, everything) == exact_macs(lm.parts, n)
+    half = torch.arange(0, n, 2)
+    gated = {"split": 1, "full": half, "filled": 0, "fill": "none", "deep_keys": half}
+    assert plan_macs(lm.parts, n, gated) < exact_macs(lm.parts, n)
+    assert plan_macs(lm.parts, n, {**everything, "lower_pairs": [10]}) < exact_macs(lm.parts, n)
