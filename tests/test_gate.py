@@ -170,3 +170,12 @@ def test_plan_macs():
     gated = {"split": 1, "full": half, "filled": 0, "fill": "none", "deep_keys": half}
     assert plan_macs(lm.parts, n, gated) < exact_macs(lm.parts, n)
     assert plan_macs(lm.parts, n, {**everything, "lower_pairs": [10]}) < exact_macs(lm.parts, n)
+
+
+def test_server_offers_tokengate_and_gated_ridge_with_maps(tmp_path):
+    from ridgefill.serve import ServeConfig
+
+    lm = make_tiny("llama")
+    cfg = ServeConfig.for_model(lm, maps=tmp_path)  # an empty folder: no maps
+    assert {"exact", "identity", "tokengate"} <= set(cfg.methods) and "gated-ridge" not in cfg.methods
+    assert cfg.methods["tokengate"]["settings"].gate_layer == 1

@@ -114,6 +114,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     fill_args(b)
     b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--warmup", type=int, default=1, help="untimed runs of every method first (0 for very long prompts)")
     b.add_argument("--corpus", default=None, help="text for the prompts (evaluation split is used)")
     b.add_argument("--out", type=Path, default=None, help="write JSON results here")
     b.set_defaults(func=cmd_bench)

@@ -41,11 +41,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     lm = load_model(args.model, dtype=args.dtype)
     split = default_split(lm, args.split)
-    cfg = BenchConfig(ints(args.lengths), args.repeats)
+    cfg = BenchConfig(ints(args.lengths), args.repeats, args.warmup)
     specs = [method_spec(lm, m, split, args) for m in names(args.methods)]
     prompts = {n: eval_tokens(lm, args.corpus, n, 1)[0] for n in cfg.lengths}
     rows = run_bench(lm, cfg, prompts, specs)
-    print(f"{lm.name} ({args.dtype}), split {split}, sink {args.sink}, tail {args.tail}, {cfg.repeats} repeats")
+    print(
+        f"{lm.name} ({args.dtype}), split {split}, sink {args.sink}, tail {args.tail}, "
+        f"{cfg.warmup} warm-up, {cfg.repeats} repeats"
+    )
     w = max(9, *(len(s.label) for s in specs))
     print(
         f"{'length':>6} {'method':<{w}} {'median s':>9} {'speedup':>8} {'[min-max]':>13} {'FLOP bound':>10} "

@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException
 from ridgefill.errors import MapError, RidgefillError
 from ridgefill.fit.maps import MAP_METHODS, load_maps
 from ridgefill.generation import encode_chat, encode_prompt
-from ridgefill.methods import FillSettings, prefill_kwargs
+from ridgefill.methods import FillSettings, prefill_kwargs, settings_for
 from ridgefill.models.loading import LoadedModel
 from ridgefill.serve.metrics import Metrics
 from ridgefill.serve.protocol import (
@@ -67,13 +67,18 @@ class ServeConfig:
         maps: Path | None = None,
         max_queue: int = 32,
     ) -> ServeConfig:
-        """Every method this model can serve: exact and identity always; ridge/kva where maps load.
+        """Every method this model can serve: exact, identity and tokengate always; ridge/kva where
+        their maps load, and gated-ridge with the ridge maps.
 
         `maps` is one map file (its method and split win) or a folder (default: the model's cache
         folder, searched at `settings.split`). Without `method`, ridge when its maps loaded, else exact.
         """
         s = settings or FillSettings(split=lm.num_layers // 2)
-        methods: dict[str, dict[str, Any]] = {"exact": {}, "identity": {"settings": s}}
+        methods: dict[str, dict[str, Any]] = {
+            "exact": {},
+            "identity": {"settings": s},
+            "tokengate": prefill_kwargs(lm, "tokengate", settings_for("tokengate", sink=s.sink, tail=s.tail)),
+        }
         problems = {}
         if maps is not None and Path(maps).is_file():
             m = load_maps(maps, lm)
@@ -84,6 +89,9 @@ class ServeConfig:
                     methods[name] = prefill_kwargs(lm, name, s, maps)
                 except MapError as e:
                     problems[name] = str(e)
+        if "ridge" in methods:
+            gated = settings_for("gated-ridge", split=methods["ridge"]["maps"].split, sink=s.sink, tail=s.tail)
+            methods["gated-ridge"] = {"maps": methods["ridge"]["maps"], "settings": gated}
         if method is None:
             method = "ridge" if "ridge" in methods else "exact"
         if method not in methods:
