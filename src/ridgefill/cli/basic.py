@@ -59,7 +59,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from ridgefill.demo import run_demo
     from ridgefill.fit.maps import find_maps
     from ridgefill.fit.ridge import FitConfig, fit_from_corpus
-    from ridgefill.methods import FillSettings
+    from ridgefill.methods import FillSettings, settings_for
     from ridgefill.models import load_model
 
     lm = load_model(args.model, dtype=args.dtype)
@@ -72,7 +72,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
         fit_from_corpus(lm, FitConfig(splits=(split,), methods=("ridge",)), corpus=args.corpus)
         maps = find_maps(lm, "ridge", split)
     settings = FillSettings(split=split, tail=args.tail)
-    methods = {"exact": {"method": "exact"}, "ridge": {"method": "ridge", "maps": maps, "settings": settings}}
+    gated = settings_for("gated-ridge", split=split, tail=args.tail)
+    methods = {
+        "exact": {"method": "exact"},
+        "ridge": {"method": "ridge", "maps": maps, "settings": settings},
+        "gated-ridge": {"method": "gated-ridge", "maps": maps, "settings": gated},
+    }
     prompt, results = run_demo(lm, methods, target_tokens=args.tokens)
     print(
         f"\nmodel {lm.name} ({args.dtype}): the magic number for {prompt.key!r} is {prompt.answer}, "
@@ -81,10 +86,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     for label, r in results.items():
         found = "found" if prompt.answer in r.text else "missed"
         print(
-            f"  {label:<6} TTFT {r.ttft_s:6.2f} s  prefill {r.prefill.tokens_per_s:7,.0f} tok/s  "
+            f"  {label:<11} TTFT {r.ttft_s:6.2f} s  prefill {r.prefill.tokens_per_s:7,.0f} tok/s  "
             f"answer {r.text.strip()!r} ({found})"
         )
-    ratio = results["exact"].ttft_s / results["ridge"].ttft_s
-    print(f"  ridge TTFT is {ratio:.2f}x faster than exact (split {split} of {lm.num_layers}, tail {args.tail})")
+    for label in ("ridge", "gated-ridge"):
+        ratio = results["exact"].ttft_s / results[label].ttft_s
+        print(f"  {label} TTFT is {ratio:.2f}x faster than exact (split {split} of {lm.num_layers}, tail {args.tail})")
+    print("  gated-ridge: the 256 rows the question attends to run fully, half the rest is ridge-filled, half dropped")
     print("  one sample, one run: `ridgefill bench` and `ridgefill ppl` give repeated, paired measurements")
     return 0
