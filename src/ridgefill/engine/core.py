@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from ridgefill.errors import PromptError
+from ridgefill.errors import PromptError, RidgefillError
 from ridgefill.models import hf
 from ridgefill.models.loading import LoadedModel
 from ridgefill.ops.attention import apply_rope, attend
@@ -192,6 +192,20 @@ class Engine:
         if cap:
             out = torch.tanh(out / cap) * cap
         return out
+
+    def logits_at(
+        self, h: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor | None, what: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits for prompt positions `rows` (default the last) from the final states `h` (1, T, d)
+        of the rows at sorted positions `pos` (T,); `what` names the rows that did not run, for the error.
+
+        Returns (logits (R, V), rows (R,)).
+        """
+        rows = pos[-1:].clone() if rows is None else rows
+        idx = torch.searchsorted(pos, rows)
+        if (idx >= len(pos)).any() or not torch.equal(pos[idx.clamp(max=len(pos) - 1)], rows):
+            raise RidgefillError(f"logits were asked for rows that {what}")
+        return self.logits(h[0, idx]), rows
 
     def new_cache(self) -> DynamicCache:
         return hf.new_cache(self.lm.model)

@@ -188,11 +188,7 @@ def prefill_fill(
     for i in range(s.split, parts.num_layers):
         hfull, k, v, _ = engine.layer(i, hfull, fpos, tables, extra_kv=(*filled.pop(i), bpos))
         hf.cache_update(cache, k, v, i, true_length=None if kept is None else n)
-    rows = torch.tensor([n - 1]) if logit_rows is None else logit_rows
-    idx = torch.searchsorted(fpos, rows)
-    if (idx >= len(fpos)).any() or not torch.equal(fpos[idx.clamp(max=len(fpos) - 1)], rows):
-        raise RidgefillError("logits were asked for rows that were filled, not run fully")
-    logits = engine.logits(hfull[0, idx])
+    logits, rows = engine.logits_at(hfull, fpos, logit_rows, "were filled, not run fully")
     plan = {
         "split": s.split,
         "full": fpos,

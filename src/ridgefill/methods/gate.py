@@ -165,10 +165,7 @@ def prefill_tokengate(
     for i in range(g, parts.num_layers):
         h, k, v, _ = engine.layer(i, h, kpos, st.tables)
         hf.cache_update(cache, k, v, i, true_length=n)
-    rows = torch.tensor([n - 1]) if logit_rows is None else logit_rows
-    if not bool(kept[rows].all()):
-        raise RidgefillError("logits were asked for rows the gate dropped")
-    logits = engine.logits(h[0, torch.searchsorted(kpos, rows)])
+    logits, rows = engine.logits_at(h, kpos, logit_rows, "the gate dropped")
     attn_s = st.attn_seconds + engine.attn_seconds - a1
     plan = {"split": g, "full": kpos, "filled": 0, "fill": "none", "deep_keys": kpos, "lower_pairs": pairs}
     meta.update(ran_exact=False, kept_rows=len(kpos), full_positions=kpos, plan=plan, attn_s=attn_s)
