@@ -179,3 +179,22 @@ def test_server_offers_tokengate_and_gated_ridge_with_maps(tmp_path):
     cfg = ServeConfig.for_model(lm, maps=tmp_path)  # an empty folder: no maps
     assert {"exact", "identity", "tokengate"} <= set(cfg.methods) and "gated-ridge" not in cfg.methods
     assert cfg.methods["tokengate"]["settings"].gate_layer == 1
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "mistral"])
+def test_gating_keeps_what_a_sliding_window_cache_must_hold(arch):
+    """A sliding-window layer's cache keeps its last window - 1 rows as if contiguous: the gate must not
+    drop any of them, even with a tail and local window shorter than the window (here 2 + 0 < 8)."""
+    lm = make_tiny(arch)
+    n = 64
+    ids = _ids(n + 1)
+    eng = Engine(lm)
+    res = run_prefill(eng, ids[:, :n], "tokengate", settings=_gate(keep=0.3, local=0, tail=2))
+    kept = res.meta["full_positions"]
+    assert set(range(n - 7, n)) <= set(kept.tolist())
+    with torch.inference_mode():
+        logits, _ = hf.stock_forward(lm.model, ids[:, n:], res.cache)
+        ref = _reference_step(eng, ids, kept, 1)
+    torch.testing.assert_close(logits[0, -1:].float(), ref, atol=1e-4, rtol=0)
+    filled = run_prefill(eng, ids[:, :n], "identity", settings=FillSettings(split=1, sink=2, tail=2, drop=0.9, block=8))
+    assert set(range(n - 7, n)) <= set(filled.meta["plan"]["deep_keys"].tolist())

@@ -23,7 +23,7 @@ from ridgefill.engine import Engine, LowerState, PrefillResult
 from ridgefill.errors import RidgefillError
 from ridgefill.fit.maps import FillMaps
 from ridgefill.fit.ridge import fit_rows
-from ridgefill.methods.gate import check_fraction, run_lower
+from ridgefill.methods.gate import check_fraction, run_lower, sliding_rows
 from ridgefill.methods.select import pick_spans, token_scores, top_blocks
 from ridgefill.models import hf
 from ridgefill.ops.attention import apply_rope
@@ -46,7 +46,8 @@ class FillSettings:
             around the peaks; see methods/select.py); 0 disables.
         drop: the three-tier `gated-ridge`: this fraction of the bulk rows, the lowest-scoring
             blocks of `block` tokens by the same split-layer score, is neither filled nor run in
-            the deep layers (absent from their cache, as in methods/gate.py); 0 disables.
+            the deep layers (absent from their cache, as in methods/gate.py); 0 disables. Rows
+            within a sliding window of the prompt's end are filled, never dropped.
         sparse_keep: fraction of causal key blocks the layers below the split attend to
             (block-sparse, methods/gate.py); 1 is dense.
         block: tokens per block for `drop` and `sparse_keep`.
@@ -180,7 +181,11 @@ def prefill_fill(
             full |= pick_spans(scores, ~full, s.query_rows, s.query_window)
         bulk = ~full
         if s.drop:
-            bulk = top_blocks(scores, bulk, round((1 - s.drop) * int(bulk.sum())), s.block)
+            # Bulk rows a sliding-window cache must hold are filled, never dropped (methods/gate.py).
+            held = bulk.clone()
+            held[: max(0, n - sliding_rows(engine, s.split))] = False
+            want = round((1 - s.drop) * int(bulk.sum())) - int(held.sum())
+            bulk = held | top_blocks(scores, bulk & ~held, max(0, want), s.block)
     fpos, bpos = full.nonzero().squeeze(1), bulk.nonzero().squeeze(1)
     kept = None if s.drop == 0 else (full | bulk).nonzero().squeeze(1)
     filled = _bulk_kv(engine, method, h[:, bpos], bpos, s.split, maps, tables)

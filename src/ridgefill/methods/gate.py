@@ -4,7 +4,8 @@ What it is: layers below the gate layer run on every row (optionally with block-
 `sparse_keep` < 1). At the gate layer, every token is scored by the attention the prompt's last
 `query_last` tokens pay it (methods/select.py, the signal GemFilter and MInference's last-queries
 index use); the highest-scoring blocks of `block` tokens, the sinks, a local window before the
-tail and the tail itself continue; the other rows stop there. From the gate layer up, the kept
+tail (widened, where a sliding-window layer sits above the gate, to the window that layer's cache
+keeps) and the tail itself continue; the other rows stop there. From the gate layer up, the kept
 rows attend only to each other (dense attention over the kept subset, which is block-sparse
 attention whose kept blocks are the gate's).
 
@@ -117,6 +118,13 @@ def run_lower(engine: Engine, ids: torch.Tensor, upto: int, sparse_keep: float, 
     return engine.run_lower(ids, upto, attention=attn), attn.pairs
 
 
+def sliding_rows(engine: Engine, first_layer: int) -> int:
+    """How many of the prompt's last rows layers >= `first_layer` must hold: a sliding-window layer's
+    cache keeps its last window - 1 rows and treats them as contiguous, so none of them may be dropped."""
+    windows = [lp.sliding_window - 1 for lp in engine.parts.layers[first_layer:] if lp.sliding_window]
+    return max(windows, default=0)
+
+
 def always_kept(n: int, sink: int, local: int, tail: int) -> torch.Tensor:
     """(N,) bool: the sinks, the local window before the tail, and the tail."""
     keep = torch.zeros(n, dtype=torch.bool)
@@ -148,8 +156,9 @@ def prefill_tokengate(
     n = engine.check_prompt(input_ids)
     g = s.layer(parts.num_layers)
     min_length = length_threshold(engine.lm.name) if s.min_length is None else s.min_length
-    meta: dict = {"settings": {**asdict(s), "gate_layer": g, "min_length": min_length}}
-    if n < min_length or n <= s.sink + s.local + s.tail:
+    local = max(s.local, sliding_rows(engine, g) - s.tail)  # widened to cover a sliding window
+    meta: dict = {"settings": {**asdict(s), "gate_layer": g, "min_length": min_length, "local_kept": local}}
+    if n < min_length or n <= s.sink + local + s.tail:
         res = engine.prefill_exact(input_ids, logit_rows, lower, cache)
         res.method = "tokengate"
         res.meta = {**meta, **res.meta, "ran_exact": True, "reason": f"below the length gate ({min_length} tokens)"}
@@ -158,7 +167,7 @@ def prefill_tokengate(
     t0, a1 = time.perf_counter(), engine.attn_seconds
     cache = engine.cache_from(st.kv, into=cache)
     scores = token_scores(engine, g, st.h, st.tables, s.query_last)
-    always = always_kept(n, s.sink, s.local, s.tail)
+    always = always_kept(n, s.sink, local, s.tail)
     kept = always | top_blocks(scores, ~always, max(0, int(s.keep * n) - int(always.sum())), s.block)
     kpos = kept.nonzero().squeeze(1)
     h = st.h[:, kpos]
