@@ -198,3 +198,13 @@ def test_gating_keeps_what_a_sliding_window_cache_must_hold(arch):
     torch.testing.assert_close(logits[0, -1:].float(), ref, atol=1e-4, rtol=0)
     filled = run_prefill(eng, ids[:, :n], "identity", settings=FillSettings(split=1, sink=2, tail=2, drop=0.9, block=8))
     assert set(range(n - 7, n)) <= set(filled.meta["plan"]["deep_keys"].tolist())
+
+
+def test_settings_of_the_wrong_kind_are_refused():
+    from ridgefill.methods import prefill_kwargs, settings_for
+
+    lm = make_tiny("llama")
+    with pytest.raises(RidgefillError, match="takes GateSettings, not FillSettings"):
+        prefill_kwargs(lm, "tokengate", FillSettings(split=1))
+    assert isinstance(settings_for("gated-ridge", split=1, local=9), FillSettings)  # unknown keys are ignored
+    assert prefill_kwargs(lm, "tokengate", settings_for("tokengate", sink=2))["settings"].gate_layer == 1

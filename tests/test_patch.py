@@ -93,6 +93,8 @@ def test_refusals(fitted_llama):
         ridgefill.patch(other.model, method="ridge")
     with pytest.raises(RidgefillError, match="unknown prefill method"):
         ridgefill.patch(other.model, method="magic")
+    with pytest.raises(RidgefillError, match="'tokengate' is not supported"):
+        ridgefill.patch(other.model, method="tokengate")
     with pytest.raises(RidgefillError, match="not patched"):
         ridgefill.unpatch(other.model)
     ridgefill.patch(other.model, method="identity", **SETTINGS)

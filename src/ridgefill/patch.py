@@ -22,10 +22,13 @@ import torch
 
 from ridgefill.engine import Engine
 from ridgefill.errors import RidgefillError
-from ridgefill.fit.maps import FillMaps, load_maps
+from ridgefill.fit.maps import MAP_METHODS, FillMaps, load_maps
 from ridgefill.methods import FILL_METHODS, FillSettings, get_method, run_prefill
 from ridgefill.models import hf
 from ridgefill.models.loading import LoadedModel
+
+# The gated methods (tokengate, gated-ridge) drop rows and would need their own settings here.
+PATCH_METHODS = ("exact", *FILL_METHODS)
 
 
 @dataclass
@@ -63,10 +66,12 @@ def patch(
         split, sink, tail, outlier_factor: as in `FillSettings` (split defaults to half the layers).
     """
     get_method(method)
+    if method not in PATCH_METHODS:
+        raise RidgefillError(f"ridgefill.patch runs {', '.join(PATCH_METHODS)}; {method!r} is not supported here yet")
     lm = LoadedModel(model, None, getattr(model.config, "name_or_path", "") or "model", hf.model_parts(model))
     if isinstance(maps, (str, Path)):
         maps = load_maps(maps, lm)
-    if method in ("ridge", "kva"):
+    if method in MAP_METHODS:
         if maps is None:
             raise RidgefillError(f"method {method!r} needs fitted maps: patch(model, maps='...safetensors')")
         if maps.method != method:

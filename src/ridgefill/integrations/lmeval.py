@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from ridgefill.engine import Engine
 from ridgefill.errors import RidgefillError
 from ridgefill.generation import StopText, stream_tokens
-from ridgefill.methods import FILL_METHODS, FillSettings, get_method, prefill_kwargs, run_prefill
+from ridgefill.methods import get_method, prefill_kwargs, run_prefill, settings_for
 from ridgefill.models import load_model
 
 
@@ -53,8 +53,8 @@ class RidgefillLM(TemplateLM):
         self.tokenizer = self.lm.tokenizer
         self.method = method
         split = self.lm.num_layers // 2 if split is None else int(split)
-        self.settings = FillSettings(split, int(sink), int(tail))
-        self.settings.check(self.lm.num_layers)
+        # None for exact; every other method runs its last `tail` rows fully, so they carry logits.
+        self.settings = settings_for(method, split=split, sink=int(sink), tail=int(tail))
         self.kwargs = prefill_kwargs(self.lm, method, self.settings, maps)
         self.engine = Engine(self.lm)
 
@@ -89,7 +89,7 @@ class RidgefillLM(TemplateLM):
     def score(self, ids: list[int], start: int) -> tuple[float, bool]:
         """Sum of log p(ids[t] | ids[:t]) for t >= start, and whether every one was the argmax."""
         n = len(ids)
-        step = max(1, self.settings.tail - 1) if self.method in FILL_METHODS else n
+        step = max(1, self.settings.tail - 1) if self.settings is not None else n
         total, greedy = 0.0, True
         for a in range(max(1, start), n, step):
             b = min(n, a + step)  # targets ids[a:b], read from rows a-1 .. b-2 of the prefix ids[:b]

@@ -16,6 +16,7 @@ from transformers import DynamicCache
 
 from ridgefill.engine import Engine, LowerState, PrefillResult
 from ridgefill.errors import RidgefillError
+from ridgefill.fit.maps import MAP_METHODS, find_maps
 from ridgefill.methods.fill import FILL_METHODS, FillSettings, prefill_fill
 from ridgefill.methods.gate import GateSettings, prefill_tokengate
 
@@ -69,7 +70,7 @@ SETTINGS: dict[str, tuple[type, dict[str, Any]]] = {
     "tokengate": (GateSettings, {}),
 }
 # Which fitted maps a method reads.
-MAPS_OF = {"ridge": "ridge", "kva": "kva", "gated-ridge": "ridge"}
+MAPS_OF = {**{m: m for m in MAP_METHODS}, "gated-ridge": "ridge"}
 
 
 def get_method(name: str) -> PrefillFn:
@@ -95,12 +96,12 @@ def settings_for(method: str, **values: Any) -> FillSettings | GateSettings | No
 def prefill_kwargs(lm, method: str, settings: FillSettings | GateSettings | None, maps_dir=None) -> dict[str, Any]:
     """What `run_prefill` needs for `method`: nothing for exact, its settings, plus the fitted maps
     (from `maps_dir`, default the model's cache folder) for the methods that read them."""
-    from ridgefill.fit.maps import find_maps
-
     get_method(method)
     if method not in SETTINGS:
         return {}
     settings = settings if settings is not None else settings_for(method)
+    if not isinstance(settings, SETTINGS[method][0]):
+        raise RidgefillError(f"method {method!r} takes {SETTINGS[method][0].__name__}, not {type(settings).__name__}")
     settings.check(lm.num_layers)
     if isinstance(settings, GateSettings) and settings.gate_layer is None:
         settings = replace(settings, gate_layer=settings.layer(lm.num_layers))

@@ -22,6 +22,7 @@ composes the gate with RidgeFill.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -87,10 +88,14 @@ def check_fraction(name: str, value: float) -> None:
         raise RidgefillError(f"{name} must be in (0, 1], got {value}")
 
 
+@functools.cache
+def _length_gate_table() -> dict:
+    return json.loads(resources.files("ridgefill").joinpath("data/length_gate.json").read_text())["models"]
+
+
 def length_threshold(model_name: str) -> int:
     """The measured length below which gating loses to exact for this model (0 when unmeasured)."""
-    table = json.loads(resources.files("ridgefill").joinpath("data/length_gate.json").read_text())
-    return int(table["models"].get(model_name, {}).get("min_length", 0))
+    return int(_length_gate_table().get(model_name, {}).get("min_length", 0))
 
 
 class SparseAttention:
