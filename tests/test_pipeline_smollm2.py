@@ -38,6 +38,14 @@ def test_ridge_beats_identity_on_tail_perplexity(maps_dir, tmp_path):
     assert rows["ridge@15"]["ppl"] < rows["identity@15"]["ppl"]
 
 
+def test_ppl_runs_a_method_without_a_split_once(tmp_path):
+    out = tmp_path / "ppl.json"
+    argv = ["ppl", "--length", "1024", "--docs", "1", "--splits", "10,15", "--tail", "128"]
+    assert main([*argv, "--methods", "identity,tokengate:min_length=0", "--out", str(out)]) == 0
+    labels = [r["method"] for r in json.loads(out.read_text())["ppl"]]
+    assert labels == ["exact", "identity@10", "tokengate:min_length=0", "identity@15"]
+
+
 def test_bench_writes_paired_results(maps_dir, tmp_path):
     out = tmp_path / "bench.json"
     argv = ["bench", "--lengths", "1024", "--repeats", "1", "--methods", "exact,ridge,kva", "--maps", str(maps_dir)]

@@ -86,7 +86,10 @@ def cmd_ppl(args: argparse.Namespace) -> int:
     for split in ints(args.splits) or (default_split(lm, None),):
         for m in names(args.methods):
             spec = method_spec(lm, m, split, args)
-            specs.append(MethodSpec(f"{m}@{split}", spec.method, spec.kwargs))
+            # A method without a split (tokengate) runs once, whatever --splits says.
+            label = f"{m}@{split}" if hasattr(spec.kwargs.get("settings"), "split") else m
+            if label not in {s.label for s in specs}:
+                specs.append(MethodSpec(label, spec.method, spec.kwargs))
     rows = tail_ppl(Engine(lm), docs, specs, args.tail)
     print(f"{lm.name}: tail perplexity of the last {args.tail} tokens, {len(docs)} held-out documents of {args.length}")
     print(f"{'method':<14} {'tail NLL':>9} {'PPL':>8} {'vs exact':>9}")
