@@ -16,6 +16,7 @@ from ridgefill.cli.basic import cmd_demo, cmd_generate, cmd_models
 from ridgefill.cli.common import fill_args, model_args
 from ridgefill.cli.measure import cmd_bench, cmd_eval, cmd_fill_error, cmd_fit, cmd_ppl
 from ridgefill.cli.serve import cmd_loadtest, cmd_serve
+from ridgefill.cli.tune import cmd_tune, tune_args
 from ridgefill.errors import RidgefillError
 
 EXAMPLES = {
@@ -50,6 +51,10 @@ EXAMPLES = {
   ridgefill eval --tasks niah_single_1 --lengths 2048 --samples 5
   ridgefill eval --lengths 4096 --samples 50 --methods identity,ridge --split 15 --ppl-docs 8 \\
       --out results/eval.json --plots results/eval_plots""",
+    "tune": """examples:
+  ridgefill tune --model smollm2-135m --budget-niah 2 --budget-ppl 5
+  ridgefill tune --model qwen2.5-0.5b --splits 8,10,12 --out results/tune_qwen.json --plot results/tune_qwen.png
+  ridgefill generate --method tuned --prompt-file long.txt --prompt "Who signed it?" --max-new-tokens 64""",
     "serve": """examples:
   ridgefill serve
   ridgefill serve --model qwen2.5-0.5b --method ridge --split 12 --port 8001
@@ -76,7 +81,11 @@ def _parser() -> argparse.ArgumentParser:
     model_args(g)
     g.add_argument("--prompt", default="", help="the question or instruction")
     g.add_argument("--prompt-file", type=Path, help="a text file placed before --prompt (a long document)")
-    g.add_argument("--method", default="exact", help="prefill method: exact, identity, ridge, kva")
+    g.add_argument(
+        "--method",
+        default="exact",
+        help="exact, identity, ridge, kva, tokengate, gated-ridge, or tuned (the bundle `ridgefill tune` wrote)",
+    )
     fill_args(g)
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -161,6 +170,13 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--out", type=Path, default=None, help="JSON results")
     v.add_argument("--plots", type=Path, default=None, help="folder for PNG plots")
     v.set_defaults(func=cmd_eval)
+
+    u = sub.add_parser(
+        "tune", help="fastest configuration within NIAH and PPL budgets", epilog=EXAMPLES["tune"], formatter_class=fmt
+    )
+    model_args(u)
+    tune_args(u)
+    u.set_defaults(func=cmd_tune)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server", epilog=EXAMPLES["serve"], formatter_class=fmt)
     model_args(s)

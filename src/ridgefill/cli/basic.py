@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ridgefill.cli.common import default_split, method_kwargs
+from ridgefill.cli.common import default_split, resolve_method
 from ridgefill.errors import RidgefillError
 
 
@@ -21,11 +21,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not prompt.strip():
         raise RidgefillError("the prompt is empty: give --prompt and/or --prompt-file")
     lm = load_model(args.model, dtype=args.dtype)
+    method, kwargs = resolve_method(lm, args.method, args.split, args)
     res = generate(
         lm,
         prompt,
-        method=args.method,
-        **method_kwargs(lm, args.method, args.split, args),
+        method=method,
+        **kwargs,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,

@@ -49,6 +49,10 @@ def method_spec(lm, spec: str, split: int | None, args: argparse.Namespace):
     from ridgefill.methods import SETTINGS, get_method
 
     name, *opts = spec.split(":")
+    if name == "tuned":
+        if opts:
+            raise RidgefillError("`tuned` takes no options: its settings come from the bundle `ridgefill tune` wrote")
+        return MethodSpec("tuned", *resolve_method(lm, name, split, args))
     get_method(name)
     known = {f.name: f.type for f in fields(SETTINGS[name][0])} if name in SETTINGS else {}
     over: dict = {}
@@ -63,6 +67,16 @@ def method_spec(lm, spec: str, split: int | None, args: argparse.Namespace):
         except ValueError:
             raise RidgefillError(f"bad value in {opt!r} (method {spec!r})") from None
     return MethodSpec(spec, name, method_kwargs(lm, name, over.pop("split", split), args, **over))
+
+
+def resolve_method(lm, name: str, split: int | None, args: argparse.Namespace) -> tuple[str, dict]:
+    """(method, prefill kwargs) for a method name; `tuned` reads the bundle `ridgefill tune` wrote
+    (in --maps, default the model's cache folder)."""
+    if name == "tuned":
+        from ridgefill.tune.bundle import load_tuned
+
+        return load_tuned(lm, getattr(args, "maps", None))
+    return name, method_kwargs(lm, name, split, args)
 
 
 def method_kwargs(lm, method: str, split: int | None, args: argparse.Namespace, **settings) -> dict:

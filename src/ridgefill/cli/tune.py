@@ -1,0 +1,127 @@
+"""`ridgefill tune`: search fill configurations under a NIAH and a perplexity budget."""
+
+from __future__ import annotations
+
+import argparse
+
+from ridgefill.cli.common import ints
+from ridgefill.errors import MapError, RidgefillError
+
+
+def floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise RidgefillError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _maps_for(lm, splits: list[int], args: argparse.Namespace) -> dict:
+    """Ridge maps of every split, fitting the missing ones in one pass over the calibration text."""
+    from ridgefill.fit.maps import find_maps
+    from ridgefill.fit.ridge import FitConfig, fit_from_corpus
+
+    missing = []
+    for s in splits:
+        try:
+            find_maps(lm, "ridge", s, args.maps)
+        except MapError:
+            missing.append(s)
+    if missing:
+        print(f"fitting ridge maps for split(s) {missing} in one pass (cached for later runs)")
+        fit_from_corpus(lm, FitConfig(splits=tuple(missing), methods=("ridge",)), args.corpus, out_dir=args.maps)
+    return {s: find_maps(lm, "ridge", s, args.maps) for s in splits}
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from tqdm.auto import tqdm
+
+    from ridgefill.models import load_model
+    from ridgefill.results import command_line, write_json
+    from ridgefill.tune import report
+    from ridgefill.tune.bundle import tuned_path, write_bundle
+    from ridgefill.tune.search import TuneConfig, run_search, tuning_set
+    from ridgefill.tune.space import Space, grid
+
+    lm = load_model(args.model, dtype=args.dtype)
+    space = Space(ints(args.splits), ints(args.tails), ints(args.query_rows), floats(args.drops))
+    cfg = TuneConfig(
+        budget_niah=args.budget_niah,
+        budget_ppl=args.budget_ppl,
+        length=args.length or min(4096, lm.context_length),
+        samples=args.samples,
+        ppl_docs=args.ppl_docs,
+        seed=args.seed,
+        ppl_tail=min(256, *space.tails) if space.tails else 256,  # scored rows must run fully in every candidate
+    )
+    cfg.check()
+    candidates = grid(space, lm.num_layers)
+    maps = _maps_for(lm, sorted({c.settings.split for c in candidates}), args)
+    prompts, docs = tuning_set(lm, cfg, args.corpus)
+    total = len(docs) * (1 + len(candidates)) + len(prompts) * (1 + len(candidates))
+    print(
+        f"{lm.name}: {len(candidates)} configurations; tuning set {len(docs)} perplexity documents and "
+        f"{len(prompts)} NIAH prompts of {cfg.length} tokens (held-out split, seed {cfg.seed}); "
+        f"the bar's total assumes every configuration reaches the NIAH stage"
+    )
+    bar = tqdm(total=total, desc=f"tune {lm.name}", unit="run")
+
+    def progress(k: int, stage: str) -> None:
+        bar.set_postfix_str(stage, refresh=False)
+        bar.update(k)
+
+    result = run_search(lm, cfg, candidates, maps, prompts, docs, progress)
+    bar.close()
+    print(report.table(result, cfg.budget_niah, cfg.budget_ppl))
+    print(f"search took {result['search_seconds']:.0f} s")
+    payload = {"model": lm.name, "dtype": args.dtype, "config": asdict(cfg), "space": asdict(space), **result}
+    if args.out:
+        write_json(args.out, payload, args.argv)
+        print(f"results written to {args.out}")
+    if args.plot:
+        title = f"{lm.name}: tuning frontier at {cfg.length} tokens"
+        print(f"plot written to {report.plot(result, args.plot, title, cfg.budget_niah, cfg.budget_ppl)}")
+    if result["chosen"] is None:
+        print(
+            f"no configuration met both budgets (NIAH loss <= {cfg.budget_niah:g} points, tail PPL <= "
+            f"+{cfg.budget_ppl:g}%); the table is the measured frontier. No bundle written."
+        )
+        return 1
+    row = next(r for r in result["candidates"] if r["label"] == result["chosen"])
+    tuned = {
+        "method": row["method"],
+        "settings": row["settings"],
+        "budgets": {"niah_points": cfg.budget_niah, "ppl_pct": cfg.budget_ppl},
+        "measured": {k: row[k] for k in ("speedup", "flop_bound", "niah_loss", "niah_samples", "ppl_increase_pct")},
+        "tuning_set": {"length": cfg.length, "seed": cfg.seed, "prompts": len(prompts), "ppl_docs": len(docs)},
+        "command": command_line(args.argv),
+    }
+    path = write_bundle(maps[row["settings"]["split"]], tuned, args.bundle or tuned_path(lm, args.maps))
+    print(
+        f"chosen: {row['label']} ({row['speedup']:.2f}x TTFT, NIAH {row['niah_loss']:+.1f} points, tail PPL "
+        f"{row['ppl_increase_pct']:+.1f}% on the tuning set) -> {path}\n"
+        f"check it on the evaluation split: ridgefill eval --model {lm.name} --methods tuned "
+        f"--tasks {','.join(cfg.tasks)} --lengths {cfg.length}"
+    )
+    return 0
+
+
+def tune_args(p: argparse.ArgumentParser) -> None:
+    from pathlib import Path
+
+    p.add_argument("--budget-niah", type=float, default=2.0, help="most NIAH points lost to exact")
+    p.add_argument("--budget-ppl", type=float, default=5.0, help="most tail-perplexity increase, percent")
+    p.add_argument("--length", type=int, default=None, help="tuning prompt tokens (default: 4096 or the context)")
+    p.add_argument("--samples", type=int, default=8, help="NIAH tuning samples per task (4 tasks)")
+    p.add_argument("--ppl-docs", type=int, default=4, help="held-out documents for tail perplexity")
+    p.add_argument("--seed", type=int, default=7, help="tuning sample seed (eval's 42 is refused)")
+    p.add_argument("--splits", default="", help="comma-separated (default: 1/3, 2/5 and 1/2 of the layers)")
+    p.add_argument("--tails", default="256,512")
+    p.add_argument("--query-rows", default="256,512")
+    p.add_argument("--drops", default="0.5,0.75")
+    p.add_argument("--maps", type=Path, default=None, help="map folder (default: the model's cache folder)")
+    p.add_argument("--corpus", default=None, help="text for fitting and tuning (held-out split is used)")
+    p.add_argument("--bundle", type=Path, default=None, help="tuned bundle path (default: next to the maps)")
+    p.add_argument("--out", type=Path, default=None, help="JSON results")
+    p.add_argument("--plot", type=Path, default=None, help="PNG of the frontier")

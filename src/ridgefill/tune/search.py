@@ -1,0 +1,292 @@
+"""`ridgefill tune`: the fastest fill configuration whose NIAH loss and perplexity rise stay in budget.
+
+What it is: a two-stage search over `tune.space` candidates on a tuning set drawn from the corpus's
+held-out split with its own seed, never from the evaluation split that `ridgefill eval` (the final
+check) reads:
+  1. tail perplexity and TTFT of every candidate on `ppl_docs` documents, paired against exact;
+     candidates over the perplexity budget stop here (they can never be chosen);
+  2. NIAH (`tasks` x `samples`) on the survivors, paired against exact; a candidate whose loss runs
+     far past the budget stops early.
+Per prompt, the layers below each split run once and are shared: exact continues from the deepest,
+each candidate from its own split, and every TTFT counts the shared layers it used, so speed is a
+same-prompt, same-run ratio (median over prompts). Decoding stops once every answer is in the
+text, which cannot change `string_match_all`. What it is not: the final check (`ridgefill eval`
+on the evaluation split) or the report (tune/report.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ridgefill.bench.flops import exact_macs, plan_macs
+from ridgefill.engine import Engine, LowerState
+from ridgefill.errors import RidgefillError
+from ridgefill.eval import ruler
+from ridgefill.eval.runner import Prepared
+from ridgefill.fit.maps import FillMaps
+from ridgefill.generation import stream_tokens
+from ridgefill.methods import run_prefill
+from ridgefill.models.loading import LoadedModel
+from ridgefill.tune.space import Candidate
+
+log = logging.getLogger(__name__)
+
+EVAL_SEED = 42  # `ridgefill eval`'s default seed: the tuning set must not reuse its needles
+NIAH = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1")
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    """Budgets and the size of the tuning set.
+
+    Attributes:
+        budget_niah: most NIAH points (mean over tuning samples, 0-100) a choice may lose to exact.
+        budget_ppl: most tail-perplexity increase (%) over exact a choice may have.
+        length: prompt tokens of every tuning prompt.
+        samples: NIAH samples per task.
+        ppl_docs: documents for tail perplexity; ppl_tail: tokens scored at each one's end.
+        seed: sample seed (must differ from the final check's).
+        max_new_tokens: decode cap for NIAH answers (RULER's 128 costs time on wrong answers only).
+        early_out: a candidate stops NIAH once its loss exceeds the budget by this many points...
+        min_samples: ...after at least this many samples.
+        screen: candidates measured in stage 2 when none meets the perplexity budget (the
+            speed/perplexity frontier, so the report still shows the trade-off).
+    """
+
+    budget_niah: float = 2.0
+    budget_ppl: float = 5.0
+    length: int = 4096
+    samples: int = 8
+    tasks: tuple[str, ...] = NIAH
+    ppl_docs: int = 4
+    ppl_tail: int = 256
+    seed: int = 7
+    max_new_tokens: int = 48
+    early_out: float = 20.0
+    min_samples: int = 8
+    screen: int = 6
+
+    def check(self) -> None:
+        if self.seed == EVAL_SEED:
+            raise RidgefillError(f"seed {EVAL_SEED} is the final check's; tune on another seed")
+        if self.samples < 1 or self.ppl_docs < 1:
+            raise RidgefillError("samples and ppl_docs must be at least 1")
+        if self.budget_niah < 0 or self.budget_ppl < 0:
+            raise RidgefillError("budgets must be >= 0")
+        if self.ppl_tail < 2 or self.ppl_tail >= self.length:
+            raise RidgefillError(f"ppl_tail must be in [2, length), got {self.ppl_tail}")
+
+
+@dataclass
+class Trial:
+    """What one candidate measured so far."""
+
+    candidate: Candidate
+    nll: list[float] = field(default_factory=list)  # tail NLL per document
+    ppl_speed: list[float] = field(default_factory=list)  # exact s / candidate s, per document
+    niah: list[tuple[float, float]] = field(default_factory=list)  # (exact, candidate) per sample
+    speed: list[float] = field(default_factory=list)  # exact TTFT / candidate TTFT, per NIAH prompt
+    bound: list[float] = field(default_factory=list)  # FLOP bound per NIAH prompt
+    stopped: str | None = None
+
+    @property
+    def niah_loss(self) -> float | None:
+        return sum(e - c for e, c in self.niah) / len(self.niah) if self.niah else None
+
+    def ppl_increase(self, exact_nll: list[float]) -> float:
+        mean = sum(self.nll) / len(self.nll) - sum(exact_nll) / len(exact_nll)
+        return 100 * (torch.tensor(mean).exp().item() - 1)
+
+    def speedup(self) -> float:
+        return statistics.median(self.speed or self.ppl_speed)
+
+
+def _lowers(engine: Engine, ids: torch.Tensor, splits: list[int]) -> dict[int, LowerState]:
+    """Layers below each split, run once, each state continuing from the previous one."""
+    out, st = {}, None
+    for s in sorted(splits):
+        st = engine.run_lower(ids, s, start=st)
+        out[s] = st
+    return out
+
+
+def _answer(lm: LoadedModel, ids: torch.Tensor, pre, answers: list[str], max_new: int) -> float:
+    """Greedy answer's `string_match_all` score (0-100), stopping once every answer is in the text."""
+    toks: list[int] = []
+    text = ""
+    for tok in stream_tokens(lm, ids, pre, max_new):
+        toks.append(tok)
+        text = lm.tokenizer.decode(toks, skip_special_tokens=True)
+        if ruler.string_match_all(text, answers) == 1.0:
+            break
+    return 100 * ruler.string_match_all(text, answers)
+
+
+def run_search(
+    lm: LoadedModel,
+    cfg: TuneConfig,
+    candidates: list[Candidate],
+    maps: dict[int, FillMaps],
+    prompts: list[Prepared],
+    docs: list[list[int]],
+    progress: Callable[[int, str], None] | None = None,
+) -> dict:
+    """Both stages; returns exact's figures, one row per candidate and the chosen label (or None).
+
+    `maps[split]`: ridge maps for every candidate split. `progress(n, stage)` is called after
+    each run (exact or candidate) with the number of runs just done.
+    """
+    cfg.check()
+    short = [c.label for c in candidates if c.settings.tail < cfg.ppl_tail]
+    if short:
+        raise RidgefillError(
+            f"ppl_tail {cfg.ppl_tail} scores rows that {', '.join(short)} fill; lower it to the least tail"
+        )
+    engine = Engine(lm)
+    n = cfg.length
+    exact_cost = exact_macs(engine.parts, n)
+    trials = {c.label: Trial(c) for c in candidates}
+    tick = progress or (lambda k, stage: None)
+    t0 = time.perf_counter()
+
+    def prefill(c: Candidate, ids: torch.Tensor, lower: dict[int, LowerState], rows: torch.Tensor | None = None):
+        s = c.settings
+        kw = {"maps": maps[s.split]} if c.method != "identity" else {}
+        return run_prefill(engine, ids, c.method, settings=s, lower=lower[s.split], logit_rows=rows, **kw)
+
+    # Stage 1: tail perplexity and speed on every candidate.
+    exact_nll = []
+    rows = torch.arange(n - cfg.ppl_tail, n - 1)
+    for doc in docs:
+        ids = torch.tensor([doc])
+        lower = _lowers(engine, ids, sorted({c.settings.split for c in candidates}))
+        ex = engine.prefill_exact(ids, rows, lower[max(lower)])
+        exact_nll.append(float(F.cross_entropy(ex.logits, ids[0, rows + 1])))
+        tick(1, "perplexity")
+        for t in trials.values():
+            res = prefill(t.candidate, ids, lower, rows)
+            t.nll.append(float(F.cross_entropy(res.logits, ids[0, rows + 1])))
+            t.ppl_speed.append(ex.seconds / res.seconds)
+            tick(1, "perplexity")
+    over = [t for t in trials.values() if t.ppl_increase(exact_nll) > cfg.budget_ppl]
+    for t in over:
+        t.stopped = f"tail PPL +{t.ppl_increase(exact_nll):.1f}% is over the {cfg.budget_ppl:g}% budget"
+    live = [t for t in trials.values() if t.stopped is None]
+    if not live:
+        live = _speed_ppl_frontier(list(trials.values()), exact_nll)[: cfg.screen]
+        for t in live:
+            t.stopped = None
+        log.warning("no candidate meets the perplexity budget; measuring NIAH on the %d-point frontier", len(live))
+
+    # Stage 2: NIAH on the survivors, paired against exact on the same prompts.
+    exact_scores = []
+    for p in prompts:
+        live = [t for t in live if t.stopped is None]
+        if not live:
+            break
+        ids = p.input_ids
+        lower = _lowers(engine, ids, sorted({t.candidate.settings.split for t in live}))
+        ex = engine.prefill_exact(ids, None, lower[max(lower)])
+        e_score = _answer(lm, ids, ex, p.sample.answers, cfg.max_new_tokens)
+        exact_scores.append(e_score)
+        tick(1, "NIAH")
+        for t in live:
+            res = prefill(t.candidate, ids, lower)
+            t.niah.append((e_score, _answer(lm, ids, res, p.sample.answers, cfg.max_new_tokens)))
+            t.speed.append(ex.seconds / res.seconds)
+            plan = None if res.meta.get("ran_exact") else res.meta["plan"]
+            t.bound.append(1.0 if plan is None else exact_cost / plan_macs(engine.parts, n, plan))
+            tick(1, "NIAH")
+            loss = t.niah_loss
+            if len(t.niah) >= cfg.min_samples and loss > cfg.budget_niah + cfg.early_out:
+                t.stopped = f"NIAH loss {loss:.1f} points after {len(t.niah)} samples (early out)"
+    rows_out = [_row(t, exact_nll, cfg, len(prompts)) for t in trials.values()]
+    chosen = choose(rows_out)
+    _mark_frontier(rows_out)
+    return {
+        "exact": {
+            "tail_nll": round(sum(exact_nll) / len(exact_nll), 5),
+            "niah_score": round(sum(exact_scores) / len(exact_scores), 2) if exact_scores else None,
+            "niah_samples": len(exact_scores),
+        },
+        "candidates": rows_out,
+        "chosen": chosen,
+        "search_seconds": round(time.perf_counter() - t0, 1),
+    }
+
+
+def choose(rows: list[dict]) -> str | None:
+    """The fastest row within both budgets (None when no row is)."""
+    ok = [r for r in rows if r["within_budget"]]
+    return max(ok, key=lambda r: r["speedup"])["label"] if ok else None
+
+
+def _speed_ppl_frontier(trials: list[Trial], exact_nll: list[float]) -> list[Trial]:
+    """Candidates no other beats on both speed and perplexity, fastest first."""
+    pts = [(t, t.speedup(), t.ppl_increase(exact_nll)) for t in trials]
+    front = [a for a in pts if not any(b[1] >= a[1] and b[2] <= a[2] and b != a for b in pts)]
+    return [t for t, _, _ in sorted(front, key=lambda x: -x[1])]
+
+
+def _row(t: Trial, exact_nll: list[float], cfg: TuneConfig, prompts: int) -> dict:
+    complete = t.stopped is None and len(t.niah) == prompts
+    loss = t.niah_loss
+    ppl = t.ppl_increase(exact_nll)
+    return {
+        "label": t.candidate.label,
+        "method": t.candidate.method,
+        "settings": asdict(t.candidate.settings),
+        "speedup": round(t.speedup(), 3),
+        "speed_from": "NIAH prompts" if t.speed else "perplexity documents",
+        "speed_prompts": len(t.speed or t.ppl_speed),
+        "speedup_min": round(min(t.speed or t.ppl_speed), 3),
+        "speedup_max": round(max(t.speed or t.ppl_speed), 3),
+        "flop_bound": round(statistics.median(t.bound), 3) if t.bound else None,
+        "ppl_increase_pct": round(ppl, 2),
+        "niah_loss": None if loss is None else round(loss, 2),
+        "niah_samples": len(t.niah),
+        "niah_score": round(sum(c for _, c in t.niah) / len(t.niah), 2) if t.niah else None,
+        "stopped": t.stopped,
+        "within_budget": complete and loss <= cfg.budget_niah and ppl <= cfg.budget_ppl,
+    }
+
+
+def _mark_frontier(rows: list[dict]) -> None:
+    """`frontier`: NIAH was measured in full and no other such row is at least as fast, as accurate
+    on NIAH and as good on perplexity (and better on one)."""
+    full = [r for r in rows if r["stopped"] is None and r["niah_loss"] is not None]
+
+    def beats(b: dict, a: dict) -> bool:
+        ge = b["speedup"] >= a["speedup"] and b["niah_loss"] <= a["niah_loss"]
+        ge = ge and b["ppl_increase_pct"] <= a["ppl_increase_pct"]
+        gt = b["speedup"] > a["speedup"] or b["niah_loss"] < a["niah_loss"]
+        return ge and (gt or b["ppl_increase_pct"] < a["ppl_increase_pct"])
+
+    for r in rows:
+        r["frontier"] = r in full and not any(beats(b, r) for b in full if b is not r)
+
+
+def tuning_set(lm: LoadedModel, cfg: TuneConfig, corpus: str | None = None) -> tuple[list[Prepared], list[list[int]]]:
+    """NIAH prompts (tasks interleaved, so an early out sees every task) and perplexity documents,
+    both from the corpus's held-out split: the final check reads the evaluation split."""
+    from ridgefill.corpus import load_corpus, token_segments
+    from ridgefill.eval.runner import prepare
+
+    cfg.check()
+    if cfg.length > lm.context_length:
+        raise RidgefillError(f"length {cfg.length} exceeds {lm.name}'s context of {lm.context_length}")
+    held = load_corpus(corpus).part("heldout")
+    essay = ruler.essay_sentences([d.text for d in held])
+    per_task = [prepare(lm, t, cfg.length, cfg.samples, cfg.seed, essay) for t in cfg.tasks]
+    prompts = [p for group in zip(*per_task, strict=True) for p in group]
+    docs, _ = token_segments(lm.tokenizer, held, cfg.length, cfg.length * cfg.ppl_docs, per_doc=cfg.length)
+    if len(docs) < cfg.ppl_docs:
+        raise RidgefillError(f"the held-out split holds only {len(docs)} documents of {cfg.length} tokens")
+    return prompts, docs[: cfg.ppl_docs]

@@ -1,0 +1,72 @@
+"""The tuner's search space: ridge fill configurations over split, tail and the retrieval knobs.
+
+What it is: `Candidate` (a fill method and its `FillSettings`, with a stable label) and `grid`,
+which crosses splits, tails, query-aware full rows and drop fractions (issue 5's winning
+mechanisms) into a list of candidates. What it is not: the search loop (tune/search.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ridgefill.errors import RidgefillError
+from ridgefill.methods.fill import FillSettings
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration the tuner measures."""
+
+    method: str  # a fill method ("ridge" or "identity")
+    settings: FillSettings
+
+    @property
+    def label(self) -> str:
+        s = self.settings
+        parts = [f"{self.method}@{s.split}", f"tail={s.tail}"]
+        if s.query_rows:
+            parts.append(f"query_rows={s.query_rows}")
+        if s.drop:
+            parts.append(f"drop={s.drop:g}")
+        return ":".join(parts)
+
+
+@dataclass(frozen=True)
+class Space:
+    """The values the grid crosses. Empty `splits`: a third, two fifths and half of the layers."""
+
+    splits: tuple[int, ...] = ()
+    tails: tuple[int, ...] = (256, 512)
+    query_rows: tuple[int, ...] = (256, 512)
+    drops: tuple[float, ...] = (0.5, 0.75)
+    sink: int = 4
+
+    def resolved_splits(self, num_layers: int) -> tuple[int, ...]:
+        if self.splits:
+            return tuple(sorted(set(self.splits)))
+        return tuple(sorted({max(1, round(num_layers * f)) for f in (1 / 3, 2 / 5, 1 / 2)}))
+
+
+def grid(space: Space, num_layers: int) -> list[Candidate]:
+    """Every split with plain ridge (the reference), then split x tail x query rows x drop.
+
+    A drop without query rows is left out: it removes rows by the same score that picks the query
+    rows, so without them it only loses information (measured: issue 3's note).
+    """
+    splits = space.resolved_splits(num_layers)
+    bad = [s for s in splits if not 0 < s < num_layers - 1]
+    if bad:
+        raise RidgefillError(f"split(s) {bad} leave nothing to fill in a {num_layers}-layer model")
+    if not space.tails or min(space.tails) < 1:
+        raise RidgefillError("tails must be positive token counts")
+    out = []
+    for split in splits:
+        base = FillSettings(split=split, sink=space.sink, tail=min(space.tails))
+        out.append(Candidate("ridge", base))
+        for tail in space.tails:
+            for q in space.query_rows:
+                for drop in (0.0, *space.drops):
+                    s = FillSettings(split=split, sink=space.sink, tail=tail, query_rows=q, drop=drop)
+                    s.check(num_layers)
+                    out.append(Candidate("ridge", s))
+    return list({c.label: c for c in out}.values())

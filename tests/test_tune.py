@@ -1,0 +1,139 @@
+"""The tuner: its search space, budgets, choice, frontier, bundle, and a search on SmolLM2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ridgefill.errors import MapError, RidgefillError
+from ridgefill.methods.fill import FillSettings
+from ridgefill.tune.search import TuneConfig, _mark_frontier, choose
+from ridgefill.tune.space import Candidate, Space, grid
+
+
+def test_grid_covers_splits_tails_and_knobs():
+    cands = grid(Space(), 30)
+    labels = [c.label for c in cands]
+    assert len(labels) == len(set(labels))
+    assert {c.settings.split for c in cands} == {10, 12, 15}
+    for split in (10, 12, 15):  # plain ridge is the reference at every split
+        assert f"ridge@{split}:tail=256" in labels
+    assert all(c.settings.query_rows for c in cands if c.settings.drop)  # no drop without query rows
+    assert {c.settings.tail for c in cands} == {256, 512}
+    assert {c.settings.drop for c in cands} == {0.0, 0.5, 0.75}
+    assert len(cands) == 3 * (1 + 2 * 2 * 3)
+
+
+def test_grid_and_config_refuse_bad_values():
+    with pytest.raises(RidgefillError, match="nothing to fill"):
+        grid(Space(splits=(29,)), 30)
+    with pytest.raises(RidgefillError, match="drop"):
+        grid(Space(splits=(10,), drops=(1.0,)), 30)
+    with pytest.raises(RidgefillError, match="final check"):
+        TuneConfig(seed=42).check()
+    with pytest.raises(RidgefillError, match="budgets"):
+        TuneConfig(budget_ppl=-1).check()
+
+
+def _row(label, speed, loss, ppl, ok=True, stopped=None):
+    return {
+        "label": label,
+        "speedup": speed,
+        "niah_loss": loss,
+        "ppl_increase_pct": ppl,
+        "within_budget": ok,
+        "stopped": stopped,
+    }
+
+
+def test_choice_is_fastest_within_budget_and_frontier_is_non_dominated():
+    rows = [
+        _row("fast-bad", 2.0, 10.0, 9.0, ok=False),
+        _row("mid-ok", 1.7, 1.0, 4.0),
+        _row("slow-ok", 1.4, 0.0, 2.0),
+        _row("dominated", 1.3, 1.0, 4.0),
+        _row("ppl-stage", 2.5, None, 30.0, ok=False, stopped="tail PPL over budget"),
+    ]
+    assert choose(rows) == "mid-ok"
+    assert choose([r for r in rows if not r["within_budget"]]) is None
+    _mark_frontier(rows)
+    assert [r["label"] for r in rows if r["frontier"]] == ["fast-bad", "mid-ok", "slow-ok"]
+
+
+@pytest.mark.slow
+def test_search_pairs_against_exact_and_bundle_round_trips(smollm2, smollm2_maps, tmp_path):
+    """A candidate whose query rows cover the whole prompt runs every row fully: it must match exact
+    (no PPL increase, no NIAH loss) and be chosen under a near-zero budget; plain ridge must not."""
+    from ridgefill.fit.maps import find_maps
+    from ridgefill.tune.bundle import load_tuned, write_bundle
+    from ridgefill.tune.search import run_search, tuning_set
+
+    cfg = TuneConfig(budget_niah=0.0, budget_ppl=0.01, length=512, samples=1, ppl_docs=1, ppl_tail=64)
+    everything = Candidate("ridge", FillSettings(split=15, tail=128, query_rows=4096))
+    plain = Candidate("ridge", FillSettings(split=15, tail=128))
+    maps = {15: find_maps(smollm2, "ridge", 15, smollm2_maps)}
+    prompts, docs = tuning_set(smollm2, cfg)
+    assert len(prompts) == 4 and len(docs) == 1 and all(p.input_ids.shape[1] <= 512 for p in prompts)
+    ticks = []
+    res = run_search(smollm2, cfg, [plain, everything], maps, prompts, docs, lambda k, stage: ticks.append(stage))
+    rows = {r["label"]: r for r in res["candidates"]}
+    full = rows[everything.label]
+    assert abs(full["ppl_increase_pct"]) < 0.01 and full["niah_loss"] == 0 and full["niah_samples"] == 4
+    assert res["chosen"] == everything.label
+    assert rows[plain.label]["stopped"].startswith("tail PPL") and rows[plain.label]["niah_loss"] is None
+    assert ticks.count("perplexity") == 3 and ticks.count("NIAH") == 4 * 2
+
+    path = write_bundle(maps[15], {"method": "ridge", "settings": full["settings"]}, tmp_path / "b.safetensors")
+    method, kwargs = load_tuned(smollm2, path)
+    assert method == "ridge" and kwargs["settings"] == everything.settings
+    with pytest.raises(MapError, match="not the maps' split"):
+        write_bundle(maps[15], {"method": "ridge", "settings": {"split": 10}}, tmp_path / "c.safetensors")
+    with pytest.raises(MapError, match="without a tuned configuration"):
+        load_tuned(smollm2, smollm2_maps / "smollm2-135m.ridge.s15.safetensors")
+    with pytest.raises(MapError, match="no tuned bundle"):
+        load_tuned(smollm2, tmp_path / "missing")
+
+
+@pytest.mark.slow
+def test_tune_cli_writes_results_plot_and_a_bundle_generate_reads(smollm2_maps, tmp_path, capsys):
+    from ridgefill.cli import main
+
+    out, plot, bundle = tmp_path / "tune.json", tmp_path / "tune.png", tmp_path / "tuned.safetensors"
+    argv = [
+        "tune",
+        "--length",
+        "512",
+        "--samples",
+        "1",
+        "--ppl-docs",
+        "1",
+        "--splits",
+        "15",
+        "--tails",
+        "128",
+        "--query-rows",
+        "4096",
+        "--drops",
+        "",
+        "--budget-ppl",
+        "1",
+        "--budget-niah",
+        "0",
+        "--maps",
+        str(smollm2_maps),
+        "--bundle",
+        str(bundle),
+        "--out",
+        str(out),
+        "--plot",
+        str(plot),
+    ]
+    assert main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert doc["command"].startswith("ridgefill tune") and doc["chosen"] == "ridge@15:tail=128:query_rows=4096"
+    assert plot.stat().st_size > 0 and bundle.is_file()
+    assert "chosen: ridge@15:tail=128:query_rows=4096" in capsys.readouterr().out
+    gen = ["generate", "--method", "tuned", "--maps", str(bundle), "--prompt", "Hi", "--max-new-tokens", "2"]
+    assert main(gen) == 0
+    assert main(["tune", "--seed", "42"]) == 2
