@@ -22,7 +22,8 @@ def test_grid_covers_splits_tails_and_knobs():
     assert all(c.settings.query_rows for c in cands if c.settings.drop)  # no drop without query rows
     assert {c.settings.tail for c in cands} == {256, 512}
     assert {c.settings.drop for c in cands} == {0.0, 0.5, 0.75}
-    assert len(cands) == 3 * (1 + 2 * 2 * 3)
+    assert {c.settings.sparse_keep for c in cands} == {1.0, 0.5}
+    assert len(cands) == 3 * (1 + 2 * 2 * 3 * 2)
 
 
 def test_grid_and_config_refuse_bad_values():
@@ -64,29 +65,33 @@ def test_choice_is_fastest_within_budget_and_frontier_is_non_dominated():
 @pytest.mark.slow
 def test_search_pairs_against_exact_and_bundle_round_trips(smollm2, smollm2_maps, tmp_path):
     """A candidate whose query rows cover the whole prompt runs every row fully: it must match exact
-    (no PPL increase, no NIAH loss) and be chosen under a near-zero budget; plain ridge must not."""
+    (no PPL increase, no NIAH loss) and be chosen under a near-zero budget; plain ridge must not.
+    With waves of one, a second such candidate is not measured once the first met the budgets."""
     from ridgefill.fit.maps import find_maps
     from ridgefill.tune.bundle import load_tuned, write_bundle
     from ridgefill.tune.search import run_search, tuning_set
 
-    cfg = TuneConfig(budget_niah=0.0, budget_ppl=0.01, length=512, samples=1, ppl_docs=1, ppl_tail=64)
+    cfg = TuneConfig(budget_niah=0.0, budget_ppl=0.01, length=512, samples=1, ppl_docs=1, ppl_tail=64, wave=1)
     everything = Candidate("ridge", FillSettings(split=15, tail=128, query_rows=4096))
+    also = Candidate("ridge", FillSettings(split=15, tail=256, query_rows=4096))
     plain = Candidate("ridge", FillSettings(split=15, tail=128))
     maps = {15: find_maps(smollm2, "ridge", 15, smollm2_maps)}
     prompts, docs = tuning_set(smollm2, cfg)
     assert len(prompts) == 4 and len(docs) == 1 and all(p.input_ids.shape[1] <= 512 for p in prompts)
     ticks = []
-    res = run_search(smollm2, cfg, [plain, everything], maps, prompts, docs, lambda k, stage: ticks.append(stage))
+    cands = [plain, everything, also]
+    res = run_search(smollm2, cfg, cands, maps, prompts, docs, lambda k, stage: ticks.append(stage))
     rows = {r["label"]: r for r in res["candidates"]}
-    full = rows[everything.label]
+    full = rows[res["chosen"]]
+    other = rows[({everything.label, also.label} - {res["chosen"]}).pop()]
     assert abs(full["ppl_increase_pct"]) < 0.01 and full["niah_loss"] == 0 and full["niah_samples"] == 4
-    assert res["chosen"] == everything.label
+    assert full["speedup"] >= other["speedup"] and other["stopped"].startswith("NIAH not run")
     assert rows[plain.label]["stopped"].startswith("tail PPL") and rows[plain.label]["niah_loss"] is None
-    assert ticks.count("perplexity") == 3 and ticks.count("NIAH") == 4 * 2
+    assert ticks.count("perplexity") == 4 and ticks.count("NIAH") == 4 * 2
 
     path = write_bundle(maps[15], {"method": "ridge", "settings": full["settings"]}, tmp_path / "b.safetensors")
     method, kwargs = load_tuned(smollm2, path)
-    assert method == "ridge" and kwargs["settings"] == everything.settings
+    assert method == "ridge" and kwargs["settings"] == FillSettings(**full["settings"])
     with pytest.raises(MapError, match="not the maps' split"):
         write_bundle(maps[15], {"method": "ridge", "settings": {"split": 10}}, tmp_path / "c.safetensors")
     with pytest.raises(MapError, match="without a tuned configuration"):

@@ -45,7 +45,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from ridgefill.tune.space import Space, grid
 
     lm = load_model(args.model, dtype=args.dtype)
-    space = Space(ints(args.splits), ints(args.tails), ints(args.query_rows), floats(args.drops))
+    space = Space(
+        ints(args.splits), ints(args.tails), ints(args.query_rows), floats(args.drops), floats(args.sparse_keeps)
+    )
     cfg = TuneConfig(
         budget_niah=args.budget_niah,
         budget_ppl=args.budget_ppl,
@@ -53,6 +55,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         samples=args.samples,
         ppl_docs=args.ppl_docs,
         seed=args.seed,
+        wave=args.wave,
         ppl_tail=min(256, *space.tails) if space.tails else 256,  # scored rows must run fully in every candidate
     )
     cfg.check()
@@ -119,7 +122,9 @@ def tune_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--splits", default="", help="comma-separated (default: 1/3, 2/5 and 1/2 of the layers)")
     p.add_argument("--tails", default="256,512")
     p.add_argument("--query-rows", default="256,512")
-    p.add_argument("--drops", default="0.5,0.75")
+    p.add_argument("--drops", default="0.5,0.75", help="fractions of bulk rows dropped from the deep layers")
+    p.add_argument("--sparse-keeps", default="1,0.5", help="key-block fractions below the split (1: dense)")
+    p.add_argument("--wave", type=int, default=12, help="NIAH-stage candidates at a time, fastest first")
     p.add_argument("--maps", type=Path, default=None, help="map folder (default: the model's cache folder)")
     p.add_argument("--corpus", default=None, help="text for fitting and tuning (held-out split is used)")
     p.add_argument("--bundle", type=Path, default=None, help="tuned bundle path (default: next to the maps)")

@@ -28,6 +28,8 @@ class Candidate:
             parts.append(f"query_rows={s.query_rows}")
         if s.drop:
             parts.append(f"drop={s.drop:g}")
+        if s.sparse_keep < 1:
+            parts.append(f"sparse_keep={s.sparse_keep:g}")
         return ":".join(parts)
 
 
@@ -39,6 +41,7 @@ class Space:
     tails: tuple[int, ...] = (256, 512)
     query_rows: tuple[int, ...] = (256, 512)
     drops: tuple[float, ...] = (0.5, 0.75)
+    sparse_keeps: tuple[float, ...] = (1.0, 0.5)
     sink: int = 4
 
     def resolved_splits(self, num_layers: int) -> tuple[int, ...]:
@@ -48,7 +51,8 @@ class Space:
 
 
 def grid(space: Space, num_layers: int) -> list[Candidate]:
-    """Every split with plain ridge (the reference), then split x tail x query rows x drop.
+    """Every split with plain ridge (the reference), then split x tail x query rows x drop x
+    sparse_keep (block-sparse attention in the layers below the split).
 
     A drop without query rows is left out: it removes rows by the same score that picks the query
     rows, so without them it only loses information (measured: issue 3's note).
@@ -66,7 +70,8 @@ def grid(space: Space, num_layers: int) -> list[Candidate]:
         for tail in space.tails:
             for q in space.query_rows:
                 for drop in (0.0, *space.drops):
-                    s = FillSettings(split=split, sink=space.sink, tail=tail, query_rows=q, drop=drop)
-                    s.check(num_layers)
-                    out.append(Candidate("ridge", s))
+                    for keep in space.sparse_keeps or (1.0,):
+                        s = FillSettings(split, space.sink, tail, query_rows=q, drop=drop, sparse_keep=keep)
+                        s.check(num_layers)
+                        out.append(Candidate("ridge", s))
     return list({c.label: c for c in out}.values())
