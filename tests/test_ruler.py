@@ -111,3 +111,12 @@ def test_exact_against_itself_has_zero_delta(smollm2, tmp_path):
     assert again["delta_vs_exact"] == 0 and again["ci95"] == [0.0, 0.0]
     # Resuming reads the cache instead of running again.
     assert run_eval(smollm2, ["niah_single_1"], [512], 2, specs, ESSAY, tmp_path / "c.jsonl") == recs
+
+
+def test_summary_pairs_ttft_per_prompt():
+    recs = []
+    for i, (e, m) in enumerate([(10.0, 5.0), (20.0, 10.0), (30.0, 10.0)]):
+        base = {"task": "t", "length": 8, "index": i, "prompt": str(i), "depth": 0.5, "score": 100.0}
+        recs += [{**base, "method": "exact", "ttft_s": e}, {**base, "method": "m", "ttft_s": m}]
+    rows = {r["method"]: r for r in summarise(recs)["results"]}
+    assert rows["m"]["ttft_speedup"] == 2.0 and rows["exact"]["ttft_speedup"] == 1.0

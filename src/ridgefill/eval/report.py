@@ -12,16 +12,18 @@ from ridgefill.eval.runner import DEPTH_BUCKETS
 
 def markdown(results: list[dict], ppl: list[dict] | None = None) -> str:
     lines = [
-        "| task | length | method | n | score | delta vs exact [95% CI] | " + " | ".join(DEPTH_BUCKETS) + " |",
-        "|" + "---|" * (6 + len(DEPTH_BUCKETS)),
+        "| task | length | method | n | score | delta vs exact [95% CI] | TTFT x | " + " | ".join(DEPTH_BUCKETS) + " |",
+        "|" + "---|" * (7 + len(DEPTH_BUCKETS)),
     ]
     for r in results:
         delta = (
             "" if r["method"] == "exact" else f"{r['delta_vs_exact']:+.1f} [{r['ci95'][0]:+.1f}, {r['ci95'][1]:+.1f}]"
         )
         depth = " | ".join("-" if r["by_depth"][b] is None else f"{r['by_depth'][b]:.0f}" for b in DEPTH_BUCKETS)
+        speed = "" if r.get("ttft_speedup") is None else f"{r['ttft_speedup']:.2f}x"
         lines.append(
-            f"| {r['task']} | {r['length']} | {r['method']} | {r['samples']} | {r['score']:.1f} | {delta} | {depth} |"
+            f"| {r['task']} | {r['length']} | {r['method']} | {r['samples']} | {r['score']:.1f} | {delta} | {speed} "
+            f"| {depth} |"
         )
     if ppl:
         lines += ["", "| method | length | docs | tail NLL | PPL | vs exact |", "|---|---|---|---|---|---|"]

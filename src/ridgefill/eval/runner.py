@@ -161,6 +161,7 @@ def summarise(records: list[dict]) -> dict:
     for (method, task, n), rows in sorted(by.items()):
         exact = by.get(("exact", task, n), {})
         paired = [rows[k]["score"] - exact[k]["score"] for k in rows if k in exact]
+        speed = sorted(exact[k]["ttft_s"] / rows[k]["ttft_s"] for k in rows if k in exact and rows[k]["ttft_s"] > 0)
         buckets: dict[str, list[float]] = {b: [] for b in DEPTH_BUCKETS}
         for r in rows.values():
             buckets[DEPTH_BUCKETS[min(4, int(r["depth"] * 5))]].append(r["score"])
@@ -175,6 +176,8 @@ def summarise(records: list[dict]) -> dict:
                 "delta_vs_exact": round(sum(paired) / len(paired), 2) if paired else None,
                 "ci95": _bootstrap_ci(paired),
                 "by_depth": {b: (round(sum(v) / len(v), 1) if v else None) for b, v in buckets.items()},
+                # Paired per prompt; a reused cache may pair different processes (bench is the clean figure).
+                "ttft_speedup": round(speed[len(speed) // 2], 3) if speed else None,
                 "filled_region": _filled_score(rows.values()),
             }
         )
