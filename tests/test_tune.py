@@ -142,3 +142,28 @@ def test_tune_cli_writes_results_plot_and_a_bundle_generate_reads(smollm2_maps, 
     gen = ["generate", "--method", "tuned", "--maps", str(bundle), "--prompt", "Hi", "--max-new-tokens", "2"]
     assert main(gen) == 0
     assert main(["tune", "--seed", "42"]) == 2
+
+
+@pytest.mark.slow
+def test_tuned_falls_back_to_the_shipped_default_with_the_users_maps(smollm2, smollm2_maps, monkeypatch):
+    from ridgefill.tune import bundle
+
+    monkeypatch.setattr(bundle, "shipped_defaults", lambda: {})
+    with pytest.raises(MapError, match="no shipped default"):
+        bundle.load_tuned(smollm2, smollm2_maps)
+    default = {"method": "ridge", "settings": {"split": 15, "tail": 256, "query_rows": 512, "drop": 0.5}}
+    monkeypatch.setattr(bundle, "shipped_defaults", lambda: {"smollm2-135m": default})
+    method, kwargs = bundle.load_tuned(smollm2, smollm2_maps)
+    assert method == "ridge" and kwargs["maps"].split == 15
+    assert kwargs["settings"] == FillSettings(split=15, tail=256, query_rows=512, drop=0.5)
+    default["settings"]["split"] = 12  # no maps for it in that folder: says how to fit them
+    with pytest.raises(MapError, match="--splits 12"):
+        bundle.load_tuned(smollm2, smollm2_maps)
+
+
+def test_shipped_defaults_are_valid_settings():
+    from ridgefill.tune.bundle import shipped_defaults
+
+    for name, tuned in shipped_defaults().items():
+        assert tuned["method"] == "ridge", name
+        FillSettings(**tuned["settings"]).check(64)
