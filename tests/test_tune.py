@@ -80,7 +80,11 @@ def test_search_pairs_against_exact_and_bundle_round_trips(smollm2, smollm2_maps
     assert len(prompts) == 4 and len(docs) == 1 and all(p.input_ids.shape[1] <= 512 for p in prompts)
     ticks = []
     cands = [plain, everything, also]
-    res = run_search(smollm2, cfg, cands, maps, prompts, docs, lambda k, stage: ticks.append(stage))
+
+    def tick(k, stage, remaining=None):
+        ticks.extend([stage] * k)
+
+    res = run_search(smollm2, cfg, cands, maps, prompts, docs, tick)
     rows = {r["label"]: r for r in res["candidates"]}
     full = rows[res["chosen"]]
     other = rows[({everything.label, also.label} - {res["chosen"]}).pop()]

@@ -62,15 +62,17 @@ def cmd_tune(args: argparse.Namespace) -> int:
     candidates = grid(space, lm.num_layers)
     maps = _maps_for(lm, sorted({c.settings.split for c in candidates}), args)
     prompts, docs = tuning_set(lm, cfg, args.corpus)
-    total = len(docs) * (1 + len(candidates)) + len(prompts) * (1 + len(candidates))
+    total = len(docs) * (1 + len(candidates)) + len(prompts) * (1 + min(cfg.wave, len(candidates)))
     print(
         f"{lm.name}: {len(candidates)} configurations; tuning set {len(docs)} perplexity documents and "
         f"{len(prompts)} NIAH prompts of {cfg.length} tokens (held-out split, seed {cfg.seed}); "
-        f"the bar's total assumes every configuration reaches the NIAH stage"
+        f"NIAH runs {cfg.wave} configurations at a time, fastest first, until one meets both budgets"
     )
     bar = tqdm(total=total, desc=f"tune {lm.name}", unit="run")
 
-    def progress(k: int, stage: str) -> None:
+    def progress(k: int, stage: str, remaining: int | None = None) -> None:
+        if remaining is not None:  # a new NIAH wave: what is left is now known
+            bar.total = bar.n + remaining
         bar.set_postfix_str(stage, refresh=False)
         bar.update(k)
 

@@ -139,12 +139,13 @@ def run_search(
     maps: dict[int, FillMaps],
     prompts: list[Prepared],
     docs: list[list[int]],
-    progress: Callable[[int, str], None] | None = None,
+    progress: Callable[..., None] | None = None,
 ) -> dict:
     """Both stages; returns exact's figures, one row per candidate and the chosen label (or None).
 
-    `maps[split]`: ridge maps for every candidate split. `progress(n, stage)` is called after
-    each run (exact or candidate) with the number of runs just done.
+    `maps[split]`: ridge maps for every candidate split. `progress(n, stage, remaining=None)` is
+    called after each run (exact or candidate) with the number of runs just done; at the start of
+    each NIAH wave, `remaining` estimates the runs left (waves shrink the first estimate).
     """
     cfg.check()
     short = [c.label for c in candidates if c.settings.tail < cfg.ppl_tail]
@@ -156,7 +157,7 @@ def run_search(
     n = cfg.length
     exact_cost = exact_macs(engine.parts, n)
     trials = {c.label: Trial(c) for c in candidates}
-    tick = progress or (lambda k, stage: None)
+    tick = progress or (lambda k, stage, remaining=None: None)
     t0 = time.perf_counter()
 
     def prefill(c: Candidate, ids: torch.Tensor, lower: dict[int, LowerState], rows: torch.Tensor | None = None):
@@ -217,6 +218,7 @@ def run_search(
     pending = sorted(live, key=lambda t: -t.speedup())
     while pending:
         wave, pending = pending[: cfg.wave], pending[cfg.wave :]
+        tick(0, "NIAH", remaining=len(prompts) * (1 + len(wave)))
         niah_wave(wave)
         if any(_row(t, exact_nll, cfg, len(prompts))["within_budget"] for t in wave):
             break
