@@ -77,3 +77,35 @@ def test_smollm2_matches_stock_at_1k(smollm2):
     for i in range(smollm2.num_layers):
         torch.testing.assert_close(hf.cache_kv(res.cache, i)[0], hf.cache_kv(ref_cache, i)[0], atol=ATOL, rtol=0)
         torch.testing.assert_close(hf.cache_kv(res.cache, i)[1], hf.cache_kv(ref_cache, i)[1], atol=ATOL, rtol=0)
+
+
+def test_growing_cache_layer_holds_what_the_stock_layer_holds():
+    from transformers.cache_utils import DynamicLayer
+
+    g, d = hf.GrowingLayer(), DynamicLayer()
+    gen = torch.Generator().manual_seed(0)
+    for t in [70, 1, 1, 100, 1, 300]:  # past the headroom twice
+        k, v = torch.randn(1, 2, t, 8, generator=gen), torch.randn(1, 2, t, 8, generator=gen)
+        gk, gv = g.update(k, v)
+        dk, dv = d.update(k, v)
+        assert torch.equal(gk, dk) and torch.equal(gv, dv)
+    g.crop(50 - g.get_seq_length())  # transformers 5 crops by a negative count
+    d.crop(50 - d.get_seq_length())
+    k = torch.randn(1, 2, 3, 8, generator=gen)
+    assert torch.equal(g.update(k, k)[0], d.update(k, k)[0]) and g.get_seq_length() == 53
+
+
+def test_decode_with_our_cache_equals_decode_with_the_stock_cache(tiny):
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(3))
+    pre = Engine(tiny).prefill_exact(ids)
+    _, stock = _stock(tiny, ids)  # the stock forward's own cache (stock layers throughout)
+    ours = pre.cache
+    full = [lp.sliding_window is None for lp in tiny.parts.layers]
+    assert [isinstance(layer, hf.GrowingLayer) for layer in ours.layers] == full
+    tok = torch.tensor([[int(pre.logits[-1].argmax())]])
+    with torch.no_grad():
+        for _ in range(12):
+            a, ours = hf.stock_forward(tiny.model, tok, ours)
+            b, stock = hf.stock_forward(tiny.model, tok, stock)
+            torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+            tok = a[:, -1:].argmax(-1)

@@ -208,3 +208,25 @@ def test_settings_of_the_wrong_kind_are_refused():
         prefill_kwargs(lm, "tokengate", FillSettings(split=1))
     assert isinstance(settings_for("gated-ridge", split=1, local=9), FillSettings)  # unknown keys are ignored
     assert prefill_kwargs(lm, "tokengate", settings_for("tokengate", sink=2))["settings"].gate_layer == 1
+
+
+def test_a_shared_block_sparse_lower_pass_gives_the_same_fill(tiny):
+    """The tuner shares one block-sparse pass among candidates: reusing it must change nothing,
+    and a dense continuation must never start from it."""
+    from ridgefill.methods.gate import run_lower
+
+    ids = _ids(96)
+    eng = Engine(tiny)
+    s = FillSettings(split=1, sink=2, tail=8, outlier_factor=None, block=16, sparse_keep=0.5)
+    alone = run_prefill(eng, ids, "identity", settings=s)
+    shared, pairs = run_lower(eng, ids, 1, 0.5, 16, None)
+    assert shared.sparse == (0.5, 16) and pairs == shared.pairs
+    again = run_prefill(eng, ids, "identity", settings=s, lower=shared)
+    assert torch.equal(alone.logits, again.logits)
+    assert again.meta["plan"]["lower_pairs"] == alone.meta["plan"]["lower_pairs"]
+    other, _ = run_lower(eng, ids, 1, 0.25, 16, shared)  # another keep: not reused
+    assert other is not shared
+    dense = eng.run_lower(ids, 1, start=shared)  # dense: recomputed, not continued
+    assert dense is not shared and dense.sparse is None
+    if tiny.parts.layers[0].sliding_window is None:  # block-sparse applies to full-attention layers
+        assert not torch.equal(dense.h, shared.h)

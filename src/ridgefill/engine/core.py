@@ -58,6 +58,8 @@ class LowerState:
     tables: RopeTables
     seconds: float
     attn_seconds: float = 0.0  # the part of `seconds` spent in attention
+    sparse: tuple[float, int] | None = None  # (sparse_keep, block) when the layers ran block-sparse
+    pairs: list[int] | None = None  # then: visible query-key pairs per full-attention layer
 
 
 class Engine:
@@ -221,11 +223,12 @@ class Engine:
         """Run layers [0, upto) on every row, continuing from `start` when it is for this prompt and below `upto`.
 
         `attention`: a sparse replacement for dense attention (see `layer`); `start` is then ignored,
-        since the layers it ran were dense.
+        since the layers it ran were dense (and a block-sparse `start` is never continued densely).
         """
         n = self.check_prompt(input_ids)
         t0, a0 = time.perf_counter(), self.attn_seconds
-        if attention is None and start is not None and start.upto <= upto and torch.equal(start.input_ids, input_ids):
+        dense_start = start is not None and start.sparse is None
+        if attention is None and dense_start and start.upto <= upto and torch.equal(start.input_ids, input_ids):
             h, kv, tables, begin = start.h, list(start.kv), start.tables, start.upto
             before, attn_before = start.seconds, start.attn_seconds
         else:

@@ -116,11 +116,24 @@ class SparseAttention:
 
 
 def run_lower(engine: Engine, ids: torch.Tensor, upto: int, sparse_keep: float, block: int, lower: LowerState | None):
-    """Layers [0, upto) on every row, dense (reusing `lower`) or block-sparse; returns (state, pairs or None)."""
+    """Layers [0, upto) on every row, dense or block-sparse; returns (state, pairs or None).
+
+    `lower` is reused when it fits: a dense state continues densely; a block-sparse one only when it
+    is this prompt's, at `upto`, with the same `sparse_keep` and `block` (a tuner's shared pass).
+    """
     if sparse_keep >= 1:
         return engine.run_lower(ids, upto, start=lower), None
+    if (
+        lower is not None
+        and lower.sparse == (sparse_keep, block)
+        and lower.upto == upto
+        and torch.equal(lower.input_ids, ids)
+    ):
+        return lower, lower.pairs
     attn = SparseAttention(sparse_keep, block)
-    return engine.run_lower(ids, upto, attention=attn), attn.pairs
+    st = engine.run_lower(ids, upto, attention=attn)
+    st.sparse, st.pairs = (sparse_keep, block), attn.pairs
+    return st, attn.pairs
 
 
 def sliding_rows(engine: Engine, first_layer: int) -> int:

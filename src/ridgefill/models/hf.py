@@ -16,6 +16,7 @@ from functools import cache
 import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
 from ridgefill.errors import RidgefillError, UnsupportedArchitectureError
 
@@ -155,9 +156,49 @@ def rotary_tables(
     return dict.fromkeys(types, table)
 
 
+class GrowingLayer(DynamicLayer):
+    """A full-attention cache layer that appends into spare capacity.
+
+    The stock `DynamicLayer` concatenates a new tensor at every decode step, copying the whole
+    layer (at 4K tokens on SmolLM2, 180 MB per generated token over 30 layers). This one keeps a
+    buffer with headroom and exposes `keys`/`values` as views of its filled part, so a step writes
+    one row; the attention reads exactly the same numbers. Anything that replaces `keys` (crop,
+    reorder) is honoured: the next update copies into a fresh buffer (as it does when the buffer
+    is an inference tensor and the update is not in inference mode).
+    """
+
+    headroom = 0.25  # spare capacity, as a fraction of the filled length (at least 64 rows)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        kbuf, vbuf = getattr(self, "_kbuf", None), getattr(self, "_vbuf", None)
+        n = self.keys.shape[-2] if self.keys.dim() == 4 else 0
+        t = key_states.shape[-2]
+        fresh = kbuf is None or self.keys.dim() != 4 or self.keys.data_ptr() != kbuf.data_ptr()
+        # A buffer made under inference_mode (our prefill) cannot be written outside it (a decode
+        # under no_grad): copy it once into a normal tensor.
+        fresh = fresh or (kbuf.is_inference() and not torch.is_inference_mode_enabled())
+        if fresh or kbuf.shape[-2] < n + t:
+            cap = max(n + t + 64, int((n + t) * (1 + self.headroom)))
+            kbuf = key_states.new_empty((*key_states.shape[:-2], cap, key_states.shape[-1]))  # (B, H, cap, D)
+            vbuf = value_states.new_empty((*value_states.shape[:-2], cap, value_states.shape[-1]))
+            if n:
+                kbuf[..., :n, :] = self.keys
+                vbuf[..., :n, :] = self.values
+            self._kbuf, self._vbuf = kbuf, vbuf
+        kbuf[..., n : n + t, :] = key_states
+        vbuf[..., n : n + t, :] = value_states
+        self.keys, self.values = kbuf[..., : n + t, :], vbuf[..., : n + t, :]
+        return self.keys, self.values
+
+
 def new_cache(model: PreTrainedModel) -> DynamicCache:
-    """An empty stock cache laid out for this model (sliding layers keep only their window)."""
-    return DynamicCache(config=model.config)
+    """An empty stock cache laid out for this model (sliding layers keep only their window; full
+    layers grow in place, see `GrowingLayer`)."""
+    cache_obj = DynamicCache(config=model.config)
+    cache_obj.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache_obj.layers]
+    return cache_obj
 
 
 def cache_update(

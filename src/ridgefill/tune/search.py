@@ -7,8 +7,9 @@ check) reads:
      candidates over the perplexity budget stop here (they can never be chosen);
   2. NIAH (`tasks` x `samples`) on the survivors, paired against exact; a candidate whose loss runs
      far past the budget stops early.
-Per prompt, the layers below each split run once and are shared: exact continues from the deepest,
-each candidate from its own split, and every TTFT counts the shared layers it used, so speed is a
+Per prompt, the layers below each split run once and are shared (dense ones continue from each
+other; block-sparse ones once per sparse setting): exact continues from the deepest dense state,
+each candidate from its own, and every TTFT counts the shared layers it used, so speed is a
 same-prompt, same-run ratio (median over prompts). Decoding stops once every answer is in the
 text, which cannot change `string_match_all`. What it is not: the final check (`ridgefill eval`
 on the evaluation split) or the report (tune/report.py).
@@ -33,6 +34,7 @@ from ridgefill.eval.runner import Prepared
 from ridgefill.fit.maps import FillMaps
 from ridgefill.generation import stream_tokens
 from ridgefill.methods import run_prefill
+from ridgefill.methods.gate import run_lower
 from ridgefill.models.loading import LoadedModel
 from ridgefill.tune.space import Candidate
 
@@ -111,13 +113,26 @@ class Trial:
         return statistics.median(self.speed or self.ppl_speed)
 
 
-def _lowers(engine: Engine, ids: torch.Tensor, splits: list[int]) -> dict[int, LowerState]:
-    """Layers below each split, run once, each state continuing from the previous one."""
-    out, st = {}, None
-    for s in sorted(splits):
-        st = engine.run_lower(ids, s, start=st)
-        out[s] = st
-    return out
+LowerKey = tuple[int, float, int]  # (split, sparse_keep, block); dense states have keep 1 and block 0
+
+
+def _lower_key(c: Candidate) -> LowerKey:
+    s = c.settings
+    return (s.split, 1.0, 0) if s.sparse_keep >= 1 else (s.split, s.sparse_keep, s.block)
+
+
+def _lowers(engine: Engine, ids: torch.Tensor, keys: set[LowerKey]) -> tuple[dict[LowerKey, LowerState], LowerState]:
+    """The layers below each candidate's split, run once per distinct (split, sparse_keep, block):
+    dense states continue from one another; block-sparse ones are run on their own. Also returns
+    the deepest dense state, for exact to continue from."""
+    out: dict[LowerKey, LowerState] = {}
+    st = None
+    for key in sorted(k for k in keys if k[1] >= 1):
+        st = engine.run_lower(ids, key[0], start=st)
+        out[key] = st
+    for key in sorted(k for k in keys if k[1] < 1):
+        out[key], _ = run_lower(engine, ids, key[0], key[1], key[2], None)
+    return out, st
 
 
 def _answer(lm: LoadedModel, ids: torch.Tensor, pre, answers: list[str], max_new: int) -> float:
@@ -163,15 +178,15 @@ def run_search(
     def prefill(c: Candidate, ids: torch.Tensor, lower: dict[int, LowerState], rows: torch.Tensor | None = None):
         s = c.settings
         kw = {"maps": maps[s.split]} if c.method != "identity" else {}
-        return run_prefill(engine, ids, c.method, settings=s, lower=lower[s.split], logit_rows=rows, **kw)
+        return run_prefill(engine, ids, c.method, settings=s, lower=lower[_lower_key(c)], logit_rows=rows, **kw)
 
     # Stage 1: tail perplexity and speed on every candidate.
     exact_nll = []
     rows = torch.arange(n - cfg.ppl_tail, n - 1)
     for doc in docs:
         ids = torch.tensor([doc])
-        lower = _lowers(engine, ids, sorted({c.settings.split for c in candidates}))
-        ex = engine.prefill_exact(ids, rows, lower[max(lower)])
+        lower, deepest = _lowers(engine, ids, {_lower_key(c) for c in candidates})
+        ex = engine.prefill_exact(ids, rows, deepest)
         exact_nll.append(float(F.cross_entropy(ex.logits, ids[0, rows + 1])))
         tick(1, "perplexity")
         for t in trials.values():
@@ -199,8 +214,8 @@ def run_search(
             if not live:
                 return
             ids = p.input_ids
-            lower = _lowers(engine, ids, sorted({t.candidate.settings.split for t in live}))
-            ex = engine.prefill_exact(ids, None, lower[max(lower)])
+            lower, deepest = _lowers(engine, ids, {_lower_key(t.candidate) for t in live})
+            ex = engine.prefill_exact(ids, None, deepest)
             if j not in exact_scores:
                 exact_scores[j] = _answer(lm, ids, ex, p.sample.answers, cfg.max_new_tokens)
             tick(1, "NIAH")
