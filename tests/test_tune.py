@@ -84,7 +84,11 @@ def test_search_pairs_against_exact_and_bundle_round_trips(smollm2, smollm2_maps
     def tick(k, stage, remaining=None):
         ticks.extend([stage] * k)
 
-    res = run_search(smollm2, cfg, cands, maps, prompts, docs, tick)
+    saved = []
+    res = run_search(smollm2, cfg, cands, maps, prompts, docs, tick, saved.append)
+    assert [r["complete"] for r in saved] == [False, False] and res["complete"]
+    first = {r["label"]: r for r in saved[0]["candidates"]}
+    assert first[everything.label]["stopped"] == first[also.label]["stopped"] == "NIAH pending (a later wave)"
     rows = {r["label"]: r for r in res["candidates"]}
     full = rows[res["chosen"]]
     other = rows[({everything.label, also.label} - {res["chosen"]}).pop()]

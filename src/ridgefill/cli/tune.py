@@ -76,13 +76,18 @@ def cmd_tune(args: argparse.Namespace) -> int:
         bar.set_postfix_str(stage, refresh=False)
         bar.update(k)
 
-    result = run_search(lm, cfg, candidates, maps, prompts, docs, progress)
+    base = {"model": lm.name, "dtype": args.dtype, "config": asdict(cfg), "space": asdict(space)}
+
+    def checkpoint(partial: dict) -> None:  # what is measured so far, in case the search is cut short
+        if args.out:
+            write_json(args.out, {**base, **partial}, args.argv)
+
+    result = run_search(lm, cfg, candidates, maps, prompts, docs, progress, checkpoint)
     bar.close()
     print(report.table(result, cfg.budget_niah, cfg.budget_ppl))
     print(f"search took {result['search_seconds']:.0f} s")
-    payload = {"model": lm.name, "dtype": args.dtype, "config": asdict(cfg), "space": asdict(space), **result}
     if args.out:
-        write_json(args.out, payload, args.argv)
+        write_json(args.out, {**base, **result}, args.argv)
         print(f"results written to {args.out}")
     if args.plot:
         title = f"{lm.name}: tuning frontier at {cfg.length} tokens"
@@ -130,5 +135,5 @@ def tune_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--maps", type=Path, default=None, help="map folder (default: the model's cache folder)")
     p.add_argument("--corpus", default=None, help="text for fitting and tuning (held-out split is used)")
     p.add_argument("--bundle", type=Path, default=None, help="tuned bundle path (default: next to the maps)")
-    p.add_argument("--out", type=Path, default=None, help="JSON results")
+    p.add_argument("--out", type=Path, default=None, help="JSON results (rewritten after each stage and wave)")
     p.add_argument("--plot", type=Path, default=None, help="PNG of the frontier")

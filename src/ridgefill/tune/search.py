@@ -89,7 +89,7 @@ class TuneConfig:
             raise RidgefillError(f"ppl_tail must be in [2, length), got {self.ppl_tail}")
 
 
-@dataclass
+@dataclass(eq=False)
 class Trial:
     """What one candidate measured so far."""
 
@@ -155,12 +155,15 @@ def run_search(
     prompts: list[Prepared],
     docs: list[list[int]],
     progress: Callable[..., None] | None = None,
+    checkpoint: Callable[[dict], None] | None = None,
 ) -> dict:
     """Both stages; returns exact's figures, one row per candidate and the chosen label (or None).
 
     `maps[split]`: ridge maps for every candidate split. `progress(n, stage, remaining=None)` is
     called after each run (exact or candidate) with the number of runs just done; at the start of
     each NIAH wave, `remaining` estimates the runs left (waves shrink the first estimate).
+    `checkpoint(result)` receives the result so far (`complete` False) after the perplexity stage
+    and after each NIAH wave, so a long search shows what it has measured before it ends.
     """
     cfg.check()
     short = [c.label for c in candidates if c.settings.tail < cfg.ppl_tail]
@@ -173,6 +176,7 @@ def run_search(
     exact_cost = exact_macs(engine.parts, n)
     trials = {c.label: Trial(c) for c in candidates}
     tick = progress or (lambda k, stage, remaining=None: None)
+    save = checkpoint or (lambda partial: None)
     t0 = time.perf_counter()
 
     def prefill(c: Candidate, ids: torch.Tensor, lower: dict[int, LowerState], rows: torch.Tensor | None = None):
@@ -230,28 +234,37 @@ def run_search(
                 if len(t.niah) >= cfg.min_samples and loss > cfg.budget_niah + cfg.early_out:
                     t.stopped = f"NIAH loss {loss:.1f} points after {len(t.niah)} samples (early out)"
 
+    def result(pending: list[Trial], final: bool) -> dict:
+        rows_out = [_row(t, exact_nll, cfg, len(prompts)) for t in trials.values()]
+        for r, t in zip(rows_out, trials.values(), strict=True):
+            if t in pending and not final:
+                r["stopped"] = "NIAH pending (a later wave)"
+        chosen = choose(rows_out)
+        _mark_frontier(rows_out)
+        return {
+            "exact": {
+                "tail_nll": round(sum(exact_nll) / len(exact_nll), 5),
+                "niah_score": round(sum(exact_scores.values()) / len(exact_scores), 2) if exact_scores else None,
+                "niah_samples": len(exact_scores),
+            },
+            "candidates": rows_out,
+            "chosen": chosen,
+            "complete": final,
+            "search_seconds": round(time.perf_counter() - t0, 1),
+        }
+
     pending = sorted(live, key=lambda t: -t.speedup())
+    save(result(pending, final=False))
     while pending:
         wave, pending = pending[: cfg.wave], pending[cfg.wave :]
         tick(0, "NIAH", remaining=len(prompts) * (1 + len(wave)))
         niah_wave(wave)
+        save(result(pending, final=False))
         if any(_row(t, exact_nll, cfg, len(prompts))["within_budget"] for t in wave):
             break
     for t in pending:
         t.stopped = "NIAH not run: a faster configuration met both budgets"
-    rows_out = [_row(t, exact_nll, cfg, len(prompts)) for t in trials.values()]
-    chosen = choose(rows_out)
-    _mark_frontier(rows_out)
-    return {
-        "exact": {
-            "tail_nll": round(sum(exact_nll) / len(exact_nll), 5),
-            "niah_score": round(sum(exact_scores.values()) / len(exact_scores), 2) if exact_scores else None,
-            "niah_samples": len(exact_scores),
-        },
-        "candidates": rows_out,
-        "chosen": chosen,
-        "search_seconds": round(time.perf_counter() - t0, 1),
-    }
+    return result([], final=True)
 
 
 def choose(rows: list[dict]) -> str | None:
