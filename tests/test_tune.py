@@ -23,7 +23,8 @@ def test_grid_covers_splits_tails_and_knobs():
     assert {c.settings.tail for c in cands} == {256, 512}
     assert {c.settings.drop for c in cands} == {0.0, 0.5, 0.75}
     assert {c.settings.sparse_keep for c in cands} == {1.0, 0.5}
-    assert len(cands) == 3 * (1 + 2 * 2 * 3 * 2)
+    assert {c.settings.query_rows for c in cands} == {0, 512}
+    assert len(cands) == 3 * (1 + 2 * 1 * 3 * 2)
 
 
 def test_grid_and_config_refuse_bad_values():

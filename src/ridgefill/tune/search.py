@@ -67,7 +67,7 @@ class TuneConfig:
     budget_niah: float = 2.0
     budget_ppl: float = 5.0
     length: int = 4096
-    samples: int = 8
+    samples: int = 6
     tasks: tuple[str, ...] = NIAH
     ppl_docs: int = 4
     ppl_tail: int = 256

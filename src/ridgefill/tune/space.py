@@ -39,7 +39,7 @@ class Space:
 
     splits: tuple[int, ...] = ()
     tails: tuple[int, ...] = (256, 512)
-    query_rows: tuple[int, ...] = (256, 512)
+    query_rows: tuple[int, ...] = (512,)
     drops: tuple[float, ...] = (0.5, 0.75)
     sparse_keeps: tuple[float, ...] = (1.0, 0.5)
     sink: int = 4
