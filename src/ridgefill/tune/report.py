@@ -33,8 +33,8 @@ def table(result: dict, budget_niah: float, budget_ppl: float) -> str:
 def plot(result: dict, path: str | Path, title: str, budget_niah: float, budget_ppl: float) -> Path:
     """Speedup (x) against NIAH loss (y), coloured by tail PPL increase; frontier joined, choice ringed.
 
-    Candidates stopped at the perplexity stage have no NIAH loss: they are drawn on the bottom
-    axis as crosses, so the picture shows every configuration measured.
+    Candidates stopped at the perplexity stage have no NIAH loss: they are drawn below the others
+    as crosses in the same colours, so the picture shows every configuration measured.
     """
     import matplotlib
 
@@ -42,7 +42,7 @@ def plot(result: dict, path: str | Path, title: str, budget_niah: float, budget_
     import matplotlib.pyplot as plt
 
     rows = result["candidates"]
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    fig, ax = plt.subplots(figsize=(7.5, 5.4))
     measured = [r for r in rows if r["niah_loss"] is not None]
     ppl_only = [r for r in rows if r["niah_loss"] is None]
     vmax = max(10.0, *(r["ppl_increase_pct"] for r in rows))
@@ -62,8 +62,11 @@ def plot(result: dict, path: str | Path, title: str, budget_niah: float, budget_
             [r["speedup"] for r in ppl_only],
             [low] * len(ppl_only),
             marker="x",
-            c="grey",
-            label="stopped at PPL stage (NIAH not run)",
+            c=[r["ppl_increase_pct"] for r in ppl_only],
+            cmap="viridis_r",
+            vmin=0,
+            vmax=vmax,
+            label="over the PPL budget (NIAH not run), same colours",
         )
     front = sorted((r for r in measured if r["frontier"]), key=lambda r: r["speedup"])
     if front:
@@ -75,7 +78,7 @@ def plot(result: dict, path: str | Path, title: str, budget_niah: float, budget_
     ax.set(xlabel="TTFT speedup over exact (x)", ylabel="NIAH loss vs exact (points)", title=title)
     ax.grid(alpha=0.3)
     fig.colorbar(sc, ax=ax, label=f"tail PPL increase (%), budget {budget_ppl:g}%")
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
