@@ -94,7 +94,7 @@ def test_search_pairs_against_exact_and_bundle_round_trips(smollm2, smollm2_maps
     full = rows[res["chosen"]]
     other = rows[({everything.label, also.label} - {res["chosen"]}).pop()]
     assert abs(full["ppl_increase_pct"]) < 0.01 and full["niah_loss"] == 0 and full["niah_samples"] == 4
-    assert full["speedup"] >= other["speedup"] and other["stopped"].startswith("NIAH not run")
+    assert other["stopped"].startswith("NIAH not run") and other["niah_loss"] is None
     assert rows[plain.label]["stopped"].startswith("tail PPL") and rows[plain.label]["niah_loss"] is None
     assert ticks.count("perplexity") == 4 and ticks.count("NIAH") == 4 * 2
 

@@ -55,3 +55,15 @@ def write_json(path: str | Path, payload: dict, argv: list[str]) -> Path:
     }
     path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
     return path
+
+
+def save_png(fig, path: str | Path) -> Path:
+    """Write a matplotlib figure as a PNG (parent folders made) and close it."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

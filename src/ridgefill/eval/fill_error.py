@@ -92,9 +92,6 @@ def plot_fill_errors(errors: dict, split: int, title: str, path: str | Path) -> 
     axes[0].set_ylabel("relative error")
     axes[1].legend()  # the K panel has every method (kva has no input panel line)
     fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    from ridgefill.results import save_png
+
+    return save_png(fig, path)

@@ -79,9 +79,6 @@ def plot(result: dict, path: str | Path, title: str, budget_niah: float, budget_
     ax.grid(alpha=0.3)
     fig.colorbar(sc, ax=ax, label=f"tail PPL increase (%), budget {budget_ppl:g}%")
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    from ridgefill.results import save_png
+
+    return save_png(fig, path)
