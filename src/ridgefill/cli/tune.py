@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ridgefill.cli.common import ints
-from ridgefill.errors import MapError, RidgefillError
+from ridgefill.errors import RidgefillError
 
 
 def floats(text: str) -> tuple[float, ...]:
@@ -17,15 +17,12 @@ def floats(text: str) -> tuple[float, ...]:
 
 def _maps_for(lm, splits: list[int], args: argparse.Namespace) -> dict:
     """Ridge maps of every split, fitting the missing ones in one pass over the calibration text."""
-    from ridgefill.fit.maps import find_maps
+    from ridgefill.fit.maps import default_maps_dir, find_maps, maps_filename
     from ridgefill.fit.ridge import FitConfig, fit_from_corpus
 
-    missing = []
-    for s in splits:
-        try:
-            find_maps(lm, "ridge", s, args.maps)
-        except MapError:
-            missing.append(s)
+    folder = args.maps if args.maps is not None else default_maps_dir(lm)
+    # Only absent maps are fitted: a corrupt or foreign file is reported by find_maps, not overwritten.
+    missing = [s for s in splits if not (folder / maps_filename(lm.name, "ridge", s)).is_file()]
     if missing:
         print(f"fitting ridge maps for split(s) {missing} in one pass (cached for later runs)")
         fit_from_corpus(lm, FitConfig(splits=tuple(missing), methods=("ridge",)), args.corpus, out_dir=args.maps)
