@@ -31,6 +31,13 @@ def ints(text: str) -> tuple[int, ...]:
         raise RidgefillError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise RidgefillError(f"expected comma-separated numbers, got {text!r}") from None
+
+
 def names(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 

@@ -4,15 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ridgefill.cli.common import ints
-from ridgefill.errors import RidgefillError
-
-
-def floats(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise RidgefillError(f"expected comma-separated numbers, got {text!r}") from None
+from ridgefill.cli.common import floats, ints
 
 
 def _maps_for(lm, splits: list[int], args: argparse.Namespace) -> dict:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ridgefill.engine import Engine, LowerState
+from ridgefill.engine import Engine, LowerState, PrefillResult
 from ridgefill.methods import run_prefill
 
 
@@ -42,14 +42,27 @@ def shared_lower(engine: Engine, ids: torch.Tensor, specs: list[MethodSpec]) -> 
     return engine.run_lower(ids, min(splits)) if splits else None
 
 
+def tail_rows(n: int, tail: int) -> torch.Tensor:
+    """The rows whose logits predict the last `tail - 1` tokens of an `n`-token document."""
+    return torch.arange(n - tail, n - 1)
+
+
+def scored_nll(res: PrefillResult, ids: torch.Tensor) -> float:
+    """Mean NLL (nats) of the tokens that `res`'s logit rows predict in the (1, N) prompt `ids`."""
+    return float(F.cross_entropy(res.logits, ids[0, res.logit_rows + 1]))
+
+
+def increase_pct(nll: float, exact_nll: float) -> float:
+    """Perplexity increase (%) of a mean NLL over exact's."""
+    return 100 * (math.exp(nll - exact_nll) - 1)
+
+
 @torch.inference_mode()
 def tail_nll(engine: Engine, ids: list[int], spec: MethodSpec, tail: int, lower: LowerState | None = None) -> float:
     """Mean NLL (nats) of the last `tail - 1` tokens of `ids`, predicted from the tail rows."""
     x = torch.tensor([ids])
-    n = x.shape[1]
-    rows = torch.arange(n - tail, n - 1)
-    res = run_prefill(engine, x, spec.method, logit_rows=rows, lower=lower, **spec.kwargs)
-    return float(F.cross_entropy(res.logits, x[0, rows + 1]))
+    res = run_prefill(engine, x, spec.method, logit_rows=tail_rows(x.shape[1], tail), lower=lower, **spec.kwargs)
+    return scored_nll(res, x)
 
 
 def tail_ppl(engine: Engine, docs: list[list[int]], specs: list[MethodSpec], tail: int) -> list[dict]:
@@ -66,6 +79,6 @@ def tail_ppl(engine: Engine, docs: list[list[int]], specs: list[MethodSpec], tai
         row = {"method": s.label, "length": len(docs[0]), "docs": len(docs), "tail": tail}
         row.update(tail_nll=round(mean, 5), ppl=round(math.exp(mean), 4))
         if exact is not None:
-            row["ppl_increase_pct"] = round(100 * (math.exp(mean - exact) - 1), 2)
+            row["ppl_increase_pct"] = round(increase_pct(mean, exact), 2)
         rows.append(row)
     return rows

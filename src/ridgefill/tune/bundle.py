@@ -11,13 +11,12 @@ the development machine (data/tuned.json) with the user's own fitted maps. The C
 from __future__ import annotations
 
 import json
-from dataclasses import fields
 from importlib import resources
 from pathlib import Path
 
 from ridgefill.errors import MapError
-from ridgefill.fit.maps import FillMaps, default_maps_dir, find_maps, load_maps, save_maps
-from ridgefill.methods.fill import FillSettings
+from ridgefill.fit.maps import FillMaps, default_maps_dir, load_maps, save_maps
+from ridgefill.methods import prefill_kwargs, settings_for
 from ridgefill.models.loading import LoadedModel
 
 
@@ -38,13 +37,6 @@ def shipped_defaults() -> dict:
     return json.loads(resources.files("ridgefill").joinpath("data/tuned.json").read_text())["models"]
 
 
-def _settings(tuned: dict, lm: LoadedModel) -> FillSettings:
-    known = {f.name for f in fields(FillSettings)}
-    settings = FillSettings(**{k: v for k, v in tuned["settings"].items() if k in known})
-    settings.check(lm.num_layers)
-    return settings
-
-
 def load_tuned(lm: LoadedModel, where: Path | None = None) -> tuple[str, dict]:
     """(method, kwargs for `run_prefill`/`generate`) for the method name `tuned`.
 
@@ -63,8 +55,8 @@ def load_tuned(lm: LoadedModel, where: Path | None = None) -> tuple[str, dict]:
     tuned = shipped_defaults().get(lm.name)
     if tuned is None:
         raise MapError(f"no tuned bundle at {bundle} and no shipped default for {lm.name}; run `ridgefill tune`")
-    settings = _settings(tuned, lm)
-    return tuned["method"], {"maps": find_maps(lm, tuned["method"], settings.split, path), "settings": settings}
+    method = tuned["method"]
+    return method, prefill_kwargs(lm, method, settings_for(method, **tuned["settings"]), path)
 
 
 def _from_bundle(lm: LoadedModel, path: Path) -> tuple[str, dict]:
@@ -72,4 +64,6 @@ def _from_bundle(lm: LoadedModel, path: Path) -> tuple[str, dict]:
     tuned = maps.header.get("tuned")
     if not isinstance(tuned, dict) or "settings" not in tuned:
         raise MapError(f"{path} is a map file without a tuned configuration; pass the bundle `ridgefill tune` wrote")
-    return tuned["method"], {"maps": maps, "settings": _settings(tuned, lm)}
+    settings = settings_for(tuned["method"], **tuned["settings"])
+    settings.check(lm.num_layers)
+    return tuned["method"], {"maps": maps, "settings": settings}

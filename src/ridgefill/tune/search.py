@@ -24,12 +24,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from ridgefill.bench.flops import exact_macs, plan_macs
 from ridgefill.engine import Engine, LowerState
 from ridgefill.errors import RidgefillError
 from ridgefill.eval import ruler
+from ridgefill.eval.ppl import increase_pct, scored_nll, tail_rows
 from ridgefill.eval.runner import Prepared
 from ridgefill.fit.maps import FillMaps
 from ridgefill.generation import stream_tokens
@@ -106,8 +106,7 @@ class Trial:
         return sum(e - c for e, c in self.niah) / len(self.niah) if self.niah else None
 
     def ppl_increase(self, exact_nll: list[float]) -> float:
-        mean = sum(self.nll) / len(self.nll) - sum(exact_nll) / len(exact_nll)
-        return 100 * (torch.tensor(mean).exp().item() - 1)
+        return increase_pct(sum(self.nll) / len(self.nll), sum(exact_nll) / len(exact_nll))
 
     def speedup(self) -> float:
         return statistics.median(self.speed or self.ppl_speed)
@@ -121,10 +120,12 @@ def _lower_key(c: Candidate) -> LowerKey:
     return (s.split, 1.0, 0) if s.sparse_keep >= 1 else (s.split, s.sparse_keep, s.block)
 
 
-def _lowers(engine: Engine, ids: torch.Tensor, keys: set[LowerKey]) -> tuple[dict[LowerKey, LowerState], LowerState]:
+def _lowers(
+    engine: Engine, ids: torch.Tensor, keys: set[LowerKey]
+) -> tuple[dict[LowerKey, LowerState], LowerState | None]:
     """The layers below each candidate's split, run once per distinct (split, sparse_keep, block):
     dense states continue from one another; block-sparse ones are run on their own. Also returns
-    the deepest dense state, for exact to continue from."""
+    the deepest dense state (None when every key is block-sparse), for exact to continue from."""
     out: dict[LowerKey, LowerState] = {}
     st = None
     for key in sorted(k for k in keys if k[1] >= 1):
@@ -179,23 +180,23 @@ def run_search(
     save = checkpoint or (lambda partial: None)
     t0 = time.perf_counter()
 
-    def prefill(c: Candidate, ids: torch.Tensor, lower: dict[int, LowerState], rows: torch.Tensor | None = None):
+    def prefill(c: Candidate, ids: torch.Tensor, lower: dict[LowerKey, LowerState], rows: torch.Tensor | None = None):
         s = c.settings
         kw = {"maps": maps[s.split]} if c.method != "identity" else {}
         return run_prefill(engine, ids, c.method, settings=s, lower=lower[_lower_key(c)], logit_rows=rows, **kw)
 
     # Stage 1: tail perplexity and speed on every candidate.
     exact_nll = []
-    rows = torch.arange(n - cfg.ppl_tail, n - 1)
+    rows = tail_rows(n, cfg.ppl_tail)
     for doc in docs:
         ids = torch.tensor([doc])
         lower, deepest = _lowers(engine, ids, {_lower_key(c) for c in candidates})
         ex = engine.prefill_exact(ids, rows, deepest)
-        exact_nll.append(float(F.cross_entropy(ex.logits, ids[0, rows + 1])))
+        exact_nll.append(scored_nll(ex, ids))
         tick(1, "perplexity")
         for t in trials.values():
             res = prefill(t.candidate, ids, lower, rows)
-            t.nll.append(float(F.cross_entropy(res.logits, ids[0, rows + 1])))
+            t.nll.append(scored_nll(res, ids))
             t.ppl_speed.append(ex.seconds / res.seconds)
             tick(1, "perplexity")
     over = [t for t in trials.values() if t.ppl_increase(exact_nll) > cfg.budget_ppl]
@@ -214,16 +215,16 @@ def run_search(
 
     def niah_wave(wave: list[Trial]) -> None:
         for j, p in enumerate(prompts):
-            live = [t for t in wave if t.stopped is None]
-            if not live:
+            running = [t for t in wave if t.stopped is None]
+            if not running:
                 return
             ids = p.input_ids
-            lower, deepest = _lowers(engine, ids, {_lower_key(t.candidate) for t in live})
+            lower, deepest = _lowers(engine, ids, {_lower_key(t.candidate) for t in running})
             ex = engine.prefill_exact(ids, None, deepest)
             if j not in exact_scores:
                 exact_scores[j] = _answer(lm, ids, ex, p.sample.answers, cfg.max_new_tokens)
             tick(1, "NIAH")
-            for t in live:
+            for t in running:
                 res = prefill(t.candidate, ids, lower)
                 t.niah.append((exact_scores[j], _answer(lm, ids, res, p.sample.answers, cfg.max_new_tokens)))
                 t.speed.append(ex.seconds / res.seconds)
