@@ -244,3 +244,33 @@ def test_method_variants_parse_into_settings(fitted):
     for bad in ("identity:depth=3", "identity:tail=x", "identity:tail", "magic"):
         with pytest.raises(RidgefillError):
             method_spec(lm, bad, 1, args)
+
+
+def test_batched_decode_equals_one_by_one(tiny):
+    """Eval decodes the methods of one prompt as one stock batch; per row it is plain greedy, and a
+    cache holding fewer keys (dropped rows) decodes on its own."""
+    from dataclasses import replace
+
+    from ridgefill.generation import generate, generate_batch
+    from ridgefill.methods import GateSettings
+
+    class Bytes:  # the tiny models read UTF-8 bytes
+        def decode(self, ids, skip_special_tokens=True):
+            return bytes(ids).decode(errors="replace")
+
+    tiny = replace(tiny, tokenizer=Bytes())
+    ids = _ids(96)
+    fill = {"settings": FillSettings(split=1, sink=2, tail=8, outlier_factor=None)}
+    gate = {"settings": GateSettings(gate_layer=1, keep=0.5, block=8, local=8, tail=8, query_last=8, min_length=0)}
+    runs = [("exact", {}), ("identity", fill), ("exact", {}), ("tokengate", gate)]
+    batch = generate_batch(tiny, ids, runs, max_new_tokens=12)
+    for (method, kw), got in zip(runs, batch, strict=True):
+        one = generate(tiny, ids, method, max_new_tokens=12, **kw)
+        assert got.token_ids == one.token_ids, method
+        assert got.ttft_s > 0 and got.decode_s >= 0
+    assert batch[0].token_ids == batch[2].token_ids
+    full = [hf.batch_signature(layer) for layer in batch[0].prefill.cache.layers]
+    if any(keys == ids.shape[1] for (keys, _), _ in full):  # (all-sliding tiny Mistral holds windows only)
+        assert [hf.batch_signature(layer) for layer in batch[3].prefill.cache.layers] != full
+        with pytest.raises(RidgefillError, match="same keys"):
+            hf.stack_caches([batch[0].prefill.cache, batch[3].prefill.cache])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from ridgefill.eval import ruler
 from ridgefill.eval.ppl import MethodSpec
@@ -120,3 +121,39 @@ def test_summary_pairs_ttft_per_prompt():
         recs += [{**base, "method": "exact", "ttft_s": e}, {**base, "method": "m", "ttft_s": m}]
     rows = {r["method"]: r for r in summarise(recs)["results"]}
     assert rows["m"]["ttft_speedup"] == 2.0 and rows["exact"]["ttft_speedup"] == 1.0
+
+
+def test_cache_key_names_what_a_record_was_computed_with():
+    from conftest import make_tiny
+    from ridgefill.eval.runner import config_key
+    from ridgefill.methods import FillSettings
+
+    lm = make_tiny("llama")
+
+    def key(model, split=1, tail=8):
+        return config_key(model, MethodSpec("m", "identity", {"settings": FillSettings(split=split, tail=tail)}))
+
+    assert key(lm) == key(lm)
+    assert len({key(lm), key(lm, split=2), key(lm, tail=16), key(make_tiny("llama", dtype=torch.bfloat16))}) == 4
+    assert key(make_tiny("llama", seed=1)) != key(lm)  # other weights
+
+
+def test_niah_tasks_pool_per_method_and_pair_with_exact():
+    recs = []
+    for task, scores in [
+        ("niah_single_1", [(100, 100), (100, 0)]),
+        ("niah_multikey_1", [(0, 0), (100, 0)]),
+        ("vt", [(100, 0)]),
+    ]:
+        for i, (e, m) in enumerate(scores):
+            base = {"task": task, "length": 8, "index": i, "prompt": f"{task}{i}", "depth": 0.5, "ttft_s": 1.0}
+            recs += [{**base, "method": "exact", "score": float(e)}, {**base, "method": "m", "score": float(m)}]
+    pooled = {r["method"]: r for r in summarise(recs)["niah_pooled"]}
+    m = pooled["m"]
+    assert m["tasks"] == ["niah_multikey_1", "niah_single_1"] and m["samples"] == 4  # vt is not a needle task
+    assert (m["score"], m["exact_score"], m["delta_vs_exact"]) == (25.0, 75.0, -50.0)
+    assert m["ci95"][0] < -50 < m["ci95"][1] <= 0
+    from ridgefill.eval.report import niah_table
+
+    table = niah_table(summarise(recs)["niah_pooled"], [{"method": "m", "length": 8, "ppl_increase_pct": 3.25}])
+    assert "| m | 8 | 2 | 4 | 25.0 | 75.0 | -50.0 [" in table and "| +3.2% | 1.00x |" in table

@@ -30,6 +30,7 @@ class GenerationResult:
     prefill: PrefillResult
     ttft_s: float  # prefill plus choosing the first token
     decode_s: float
+    decode_batch: int = 1  # rows of the stock decode batch this one shared (generate_batch)
 
 
 def prompt_text(lm: LoadedModel, prompt: str, chat: bool = True, answer_prefix: str = "") -> tuple[str, bool]:
@@ -154,6 +155,61 @@ def stream_tokens(
             return
         logits, cache = hf.stock_forward(lm.model, torch.tensor([[tok]]), cache)
         tok = pick(logits[0, -1].float())
+
+
+@torch.inference_mode()
+def _greedy_batch(
+    lm: LoadedModel, prefills: list[PrefillResult], firsts: list[int], max_new_tokens: int
+) -> list[list[int]]:
+    """Greedy decode of several prefills of one prompt as one batch of the stock forward; each row
+    stops at its own end-of-sequence token, as `stream_tokens` would."""
+    stops = eos_ids(lm)
+    outs = [[t] for t in firsts]
+    live = [t not in stops for t in firsts]
+    cache = hf.stack_caches([p.cache for p in prefills]) if len(prefills) > 1 else prefills[0].cache
+    toks = list(firsts)
+    for _ in range(max_new_tokens - 1):
+        if not any(live):
+            break
+        logits, cache = hf.stock_forward(lm.model, torch.tensor([[t] for t in toks]), cache)
+        toks = [int(t) for t in logits[:, -1].float().argmax(-1)]
+        for b, t in enumerate(toks):
+            if live[b]:
+                outs[b].append(t)
+                live[b] = t not in stops
+    return outs
+
+
+def generate_batch(
+    lm: LoadedModel, ids: torch.Tensor, runs: list[tuple[str, dict]], max_new_tokens: int
+) -> list[GenerationResult]:
+    """Greedy generation of one (1, N) prompt under several (method, kwargs), as `generate` does
+    one by one: each prefill is timed on its own (TTFT); the decodes whose caches hold the same
+    keys in every layer run as one batch of the stock forward (per row the same greedy tokens up
+    to floating-point rounding), the others alone. A row's `decode_s` is its share of its batch."""
+    n = int(ids.shape[1])
+    if n + max_new_tokens > lm.context_length:
+        raise PromptError(f"the prompt has {n} tokens; with {max_new_tokens} new ones it exceeds {lm.name}'s context")
+    engine = Engine(lm)
+    pres, firsts, ttfts = [], [], []
+    for method, kwargs in runs:
+        t0 = time.perf_counter()
+        pre = run_prefill(engine, ids, method, **kwargs)
+        firsts.append(int(pre.logits[-1].float().argmax()))
+        ttfts.append(time.perf_counter() - t0)
+        pres.append(pre)
+    groups: dict[tuple, list[int]] = {}
+    for i, pre in enumerate(pres):
+        groups.setdefault(tuple(hf.batch_signature(layer) for layer in pre.cache.layers), []).append(i)
+    results: list[GenerationResult | None] = [None] * len(runs)
+    for rows in groups.values():
+        t0 = time.perf_counter()
+        outs = _greedy_batch(lm, [pres[i] for i in rows], [firsts[i] for i in rows], max_new_tokens)
+        share = (time.perf_counter() - t0) / len(rows)
+        for i, out in zip(rows, outs, strict=True):
+            text = lm.tokenizer.decode(out, skip_special_tokens=True)
+            results[i] = GenerationResult(text, out, n, pres[i], ttfts[i], share, len(rows))
+    return results
 
 
 def generate(

@@ -140,6 +140,12 @@ def cmd_fill_error(args: argparse.Namespace) -> int:
     return 0
 
 
+DECODE_NOTE = (
+    "greedy, RULER's tokens_to_generate; the methods of one prompt whose caches hold the same keys decode as one "
+    "batch of the stock forward (each record's decode_batch; records without it decoded alone)"
+)
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     import time
 
@@ -177,6 +183,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
             ppl += tail_ppl(Engine(lm), eval_tokens(lm, args.corpus, n, args.ppl_docs), specs, args.tail)
     recovered = recovered_over_identity(summary["results"])
     print(report.markdown(summary["results"], ppl))
+    if any(r["method"] != "exact" for r in summary["niah_pooled"]):
+        print("\nNeedle tasks pooled (each method paired against exact on the same prompts):")
+        print(report.niah_table(summary["niah_pooled"], ppl))
     for r in recovered:
         where = f"{r['task']} @ {r['length']}"
         print(f"ridge - identity in the filled region, {where}: {r['points']:+.1f} points (n={r['samples']})")
@@ -184,11 +193,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     compute = round(sum(r.get("run_s", r["ttft_s"]) for r in records), 1)
     print(f"took {seconds} s (samples: {compute} s of compute over all runs); per-sample results cached in {cache}")
     if args.out:
-        settings = {"split": split, "sink": args.sink, "tail": args.tail, "seed": args.seed}
+        settings = {"split": split, "sink": args.sink, "tail": args.tail, "seed": args.seed, "dtype": args.dtype}
         write_json(
             args.out,
             {
                 "model": lm.name,
+                "decode": DECODE_NOTE,
                 "methods": [s.label for s in specs],
                 "settings": settings,
                 "seconds": seconds,

@@ -35,6 +35,29 @@ def markdown(results: list[dict], ppl: list[dict] | None = None) -> str:
     return "\n".join(lines)
 
 
+def niah_table(pooled: list[dict], ppl: list[dict] | None = None) -> str:
+    """One row per method and length: the needle tasks pooled, paired against exact on the same
+    prompts, beside the tail-perplexity increase and the TTFT ratio (the ablation table's columns)."""
+    increase = {(p["method"], p["length"]): p.get("ppl_increase_pct") for p in ppl or []}
+    lines = [
+        "| method | length | NIAH tasks | n | NIAH | exact | delta vs exact [95% CI] | tail PPL vs exact | TTFT x |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in pooled:
+        if r["method"] == "exact":
+            continue
+        ppl_txt = (
+            "" if increase.get((r["method"], r["length"])) is None else f"{increase[(r['method'], r['length'])]:+.1f}%"
+        )
+        speed = "" if r.get("ttft_speedup") is None else f"{r['ttft_speedup']:.2f}x"
+        lines.append(
+            f"| {r['method']} | {r['length']} | {len(r['tasks'])} | {r['samples']} | {r['score']:.1f} | "
+            f"{r['exact_score']:.1f} | {r['delta_vs_exact']:+.1f} [{r['ci95'][0]:+.1f}, {r['ci95'][1]:+.1f}] | "
+            f"{ppl_txt} | {speed} |"
+        )
+    return "\n".join(lines)
+
+
 def plot(results: list[dict], out_dir: str | Path, title: str) -> list[Path]:
     """score_by_depth.png (mean over tasks) and heatmap.png (length x depth, one panel per method)."""
     import matplotlib

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 
 import torch
@@ -25,7 +25,8 @@ from ridgefill.engine import Engine
 from ridgefill.errors import RidgefillError
 from ridgefill.eval import ruler
 from ridgefill.eval.ppl import MethodSpec, shared_lower
-from ridgefill.generation import encode_prompt, generate, prompt_text
+from ridgefill.fit.maps import fingerprint
+from ridgefill.generation import encode_prompt, generate_batch, prompt_text
 from ridgefill.models.loading import LoadedModel
 
 DEPTH_BUCKETS = ("0-20", "20-40", "40-60", "60-80", "80-100")
@@ -83,6 +84,22 @@ def prepare(lm: LoadedModel, task: str, length: int, count: int, seed: int, essa
     return out
 
 
+def config_key(lm: LoadedModel, spec: MethodSpec) -> str:
+    """What a cached record was computed with: model weights, dtype, method, its settings and the
+    header of the maps it read. A cache entry is reused only under the same key, so re-running with
+    another split, tail, dtype or refitted maps recomputes instead of reusing stale records."""
+    kw = spec.kwargs
+    settings, maps = kw.get("settings"), kw.get("maps")
+    what = {
+        "model": fingerprint(lm)["weights_sha256"],
+        "dtype": str(lm.dtype),
+        "method": spec.method,
+        "settings": asdict(settings) if is_dataclass(settings) else settings,
+        "maps": None if maps is None else {"method": maps.method, "split": maps.split, "header": maps.header},
+    }
+    return hashlib.sha1(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
 def _bootstrap_ci(diffs: list[float], seed: int = 0, rounds: int = 2000) -> list[float]:
     if not diffs:
         return [0.0, 0.0]
@@ -110,30 +127,34 @@ def run_eval(
     if cache_path.is_file():
         for line in cache_path.read_text().splitlines():
             r = json.loads(line)
-            done[(r["task"], r["length"], r["index"], r["method"], r["prompt"])] = r
+            done[(r["task"], r["length"], r["index"], r["method"], r["prompt"], r.get("config"))] = r
     cache_path.parent.mkdir(parents=True, exist_ok=True)
+    configs = {s.label: config_key(lm, s) for s in specs}
     records = []
     jobs = [(t, n) for t in tasks for n in lengths]
     bar = tqdm(total=len(jobs) * samples * len(specs), desc=f"eval {lm.name}", unit="run")
     with cache_path.open("a") as cache_file:
         for task, n in jobs:
             for p in prepare(lm, task, n, samples, seed, essay):
-                todo = [s for s in specs if (task, n, p.sample.index, s.label, p.key) not in done]
+                todo = [s for s in specs if (task, n, p.sample.index, s.label, p.key, configs[s.label]) not in done]
                 # The layers every method runs in full are run once per prompt and shared; each
                 # method's TTFT still counts them (lower.seconds).
                 lower = shared_lower(Engine(lm), p.input_ids, todo) if len(todo) > 1 else None
                 shared_s = lower.seconds if lower else 0.0
+                max_new = ruler.TOKENS_TO_GENERATE[task]
+                runs = [(s.method, {"lower": lower, **s.kwargs}) for s in todo]
+                outs = dict(zip([s.label for s in todo], generate_batch(lm, p.input_ids, runs, max_new), strict=True))
                 for spec in specs:
-                    key = (task, n, p.sample.index, spec.label, p.key)
+                    key = (task, n, p.sample.index, spec.label, p.key, configs[spec.label])
                     if key not in done:
-                        max_new = ruler.TOKENS_TO_GENERATE[task]
-                        res = generate(lm, p.input_ids, spec.method, max_new, lower=lower, **spec.kwargs)
+                        res = outs[spec.label]
                         done[key] = {
                             "task": task,
                             "length": n,
                             "index": p.sample.index,
                             "method": spec.label,
                             "prompt": p.key,
+                            "config": configs[spec.label],
                             "prompt_tokens": int(p.input_ids.shape[1]),
                             "depth": round(p.depth, 4),
                             "needle_pos": p.needle_pos,
@@ -143,6 +164,7 @@ def run_eval(
                             "answers": p.sample.answers,
                             "ttft_s": round(res.ttft_s + shared_s, 4),
                             "run_s": round(res.ttft_s + res.decode_s + shared_s / len(todo), 4),
+                            "decode_batch": res.decode_batch,
                         }
                         cache_file.write(json.dumps(done[key]) + "\n")
                         cache_file.flush()
@@ -152,36 +174,52 @@ def run_eval(
     return records
 
 
+def _paired(rows: dict[tuple, dict], exact: dict[tuple, dict]) -> dict:
+    """Score, paired delta vs exact with its bootstrap CI, and median paired TTFT ratio of some records."""
+    paired = [rows[k]["score"] - exact[k]["score"] for k in rows if k in exact]
+    speed = sorted(exact[k]["ttft_s"] / rows[k]["ttft_s"] for k in rows if k in exact and rows[k]["ttft_s"] > 0)
+    scores = [r["score"] for r in rows.values()]
+    return {
+        "samples": len(rows),
+        "score": round(sum(scores) / len(scores), 2),
+        "delta_vs_exact": round(sum(paired) / len(paired), 2) if paired else None,
+        "ci95": _bootstrap_ci(paired),
+        "exact_score": round(sum(exact[k]["score"] for k in rows if k in exact) / len(paired), 2) if paired else None,
+        # Paired per prompt; a reused cache may pair different processes (bench is the clean figure).
+        "ttft_speedup": round(speed[len(speed) // 2], 3) if speed else None,
+    }
+
+
 def summarise(records: list[dict]) -> dict:
-    """Per (method, task, length): score, paired delta vs exact with CI, by depth bucket."""
+    """Per (method, task, length): score, paired delta vs exact with CI, by depth bucket; and per
+    (method, length) the NIAH tasks pooled (`niah_pooled`: every needle prompt counts once)."""
     by: dict[tuple, dict[tuple, dict]] = {}
     for r in records:
-        by.setdefault((r["method"], r["task"], r["length"]), {})[(r["index"], r["prompt"])] = r
+        by.setdefault((r["method"], r["task"], r["length"]), {})[(r["task"], r["index"], r["prompt"])] = r
     results = []
     for (method, task, n), rows in sorted(by.items()):
-        exact = by.get(("exact", task, n), {})
-        paired = [rows[k]["score"] - exact[k]["score"] for k in rows if k in exact]
-        speed = sorted(exact[k]["ttft_s"] / rows[k]["ttft_s"] for k in rows if k in exact and rows[k]["ttft_s"] > 0)
         buckets: dict[str, list[float]] = {b: [] for b in DEPTH_BUCKETS}
         for r in rows.values():
             buckets[DEPTH_BUCKETS[min(4, int(r["depth"] * 5))]].append(r["score"])
-        scores = [r["score"] for r in rows.values()]
         results.append(
             {
                 "method": method,
                 "task": task,
                 "length": n,
-                "samples": len(rows),
-                "score": round(sum(scores) / len(scores), 2),
-                "delta_vs_exact": round(sum(paired) / len(paired), 2) if paired else None,
-                "ci95": _bootstrap_ci(paired),
+                **_paired(rows, by.get(("exact", task, n), {})),
                 "by_depth": {b: (round(sum(v) / len(v), 1) if v else None) for b, v in buckets.items()},
-                # Paired per prompt; a reused cache may pair different processes (bench is the clean figure).
-                "ttft_speedup": round(speed[len(speed) // 2], 3) if speed else None,
                 "filled_region": _filled_score(rows.values()),
             }
         )
-    return {"results": results}
+    pooled: dict[tuple, dict[tuple, dict]] = {}
+    for (method, task, n), rows in by.items():
+        if task in ruler.NIAH_TASKS:
+            pooled.setdefault((method, n), {}).update(rows)
+    niah = []
+    for (method, n), rows in pooled.items():
+        tasks = sorted({k[0] for k in rows})
+        niah.append({"method": method, "length": n, "tasks": tasks, **_paired(rows, pooled.get(("exact", n), {}))})
+    return {"results": results, "niah_pooled": niah}
 
 
 def _filled_score(rows) -> dict:

@@ -9,6 +9,7 @@ exactly the model's own.
 
 from __future__ import annotations
 
+import copy
 import inspect
 from dataclasses import dataclass
 from functools import cache
@@ -199,6 +200,28 @@ def new_cache(model: PreTrainedModel) -> DynamicCache:
     cache_obj = DynamicCache(config=model.config)
     cache_obj.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache_obj.layers]
     return cache_obj
+
+
+def batch_signature(layer) -> tuple:
+    """What must agree for cache layers to decode as one batch: keys held, and tokens seen."""
+    return tuple(layer.keys.shape[-2:]), getattr(layer, "cumulative_length", None)
+
+
+def stack_caches(caches: list[DynamicCache]) -> DynamicCache:
+    """Caches of the same prompt length, layer by layer, stacked along the batch dimension (for one
+    batched stock decode). Each layer keeps its kind and bookkeeping (a sliding layer's count of
+    tokens seen); every cache must hold the same number of keys in each layer."""
+    layers = []
+    for group in zip(*(c.layers for c in caches), strict=True):
+        if len({batch_signature(layer) for layer in group}) != 1:
+            raise RidgefillError("only caches with the same keys per layer can decode as one batch")
+        layer = copy.copy(group[0])  # a GrowingLayer copy no longer owns the buffer: it reallocates
+        layer.keys = torch.cat([g.keys for g in group])
+        layer.values = torch.cat([g.values for g in group])
+        layers.append(layer)
+    out = copy.copy(caches[0])  # the cache's own bookkeeping, with new layers
+    out.layers = layers
+    return out
 
 
 def cache_update(
