@@ -86,6 +86,19 @@ def test_string_match_all(prediction, answers, score):
 
 def test_fit_size_is_maximal():
     assert ruler.fit_size(lambda n: 10 * n + 5, 1000, 500) == 99
+    # A guess (a sibling sample's size) gives the same answer from either side, with fewer counts.
+    rng = random.Random(3)
+    for _ in range(200):
+        steps = [rng.randint(0, 40) for _ in range(rng.randint(1, 300))]
+        prefix = [sum(steps[: i + 1]) for i in range(len(steps))]
+        budget, hi = rng.randint(prefix[0], prefix[-1] + 50), len(steps)
+        count = [0, *prefix].__getitem__
+        want = ruler.fit_size(count, budget, hi)
+        for guess in (2, want - 3, want, want + 1, want + 7, hi):
+            assert ruler.fit_size(count, budget, hi, guess=guess) == want, (budget, guess)
+    calls = []
+    assert ruler.fit_size(lambda n: calls.append(n) or 10 * n, 1000, 100_000, guess=99) == 100
+    assert len(calls) <= 4
     with pytest.raises(Exception, match="smallest haystack"):
         ruler.fit_size(lambda n: 10_000, 1000, 500)
 

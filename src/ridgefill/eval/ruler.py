@@ -197,11 +197,34 @@ def string_match_all(prediction: str, answers: list[str]) -> float:
     return sum(a.lower() in pred for a in answers) / len(answers)
 
 
-def fit_size(count_tokens: Callable[[int], int], budget: int, hi: int) -> int:
-    """Largest haystack size in [1, hi] whose prompt has at most `budget` tokens (binary search)."""
-    if count_tokens(1) > budget:
-        raise RidgefillError(f"even the smallest haystack exceeds {budget} tokens")
+def fit_size(count_tokens: Callable[[int], int], budget: int, hi: int, guess: int | None = None) -> int:
+    """Largest haystack size in [1, hi] whose prompt has at most `budget` tokens (binary search).
+
+    `guess` (the size a sibling sample needed) first brackets the answer by galloping outwards
+    from it, so a good guess costs a few tokenisations of a prompt near the budget instead of
+    many of prompts up to the whole haystack; the answer is the same.
+    """
     lo = 1
+    if guess is not None and 1 < guess <= hi:
+        step = 1
+        if count_tokens(guess) <= budget:
+            lo = guess
+            while lo < hi:
+                probe = min(hi, guess + step)
+                if count_tokens(probe) > budget:
+                    hi = probe - 1
+                    break
+                lo, step = probe, step * 2
+        else:
+            hi = guess - 1
+            while hi > 1:
+                probe = max(1, guess - step)
+                if count_tokens(probe) <= budget:
+                    lo = probe
+                    break
+                hi, step = probe - 1, step * 2
+    if lo == 1 and count_tokens(1) > budget:
+        raise RidgefillError(f"even the smallest haystack exceeds {budget} tokens")
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if count_tokens(mid) <= budget:

@@ -38,6 +38,7 @@ class Prepared:
     input_ids: torch.Tensor  # (1, N)
     depth: float  # relative token position of the first queried needle (0..1)
     needle_pos: int  # its token position
+    size: int  # haystack units that fit the length
 
     @property
     def key(self) -> str:
@@ -76,11 +77,11 @@ def prepare(lm: LoadedModel, task: str, length: int, count: int, seed: int, essa
             return int(encode_prompt(lm, s.text, answer_prefix=s.answer_prefix).shape[1])
 
         hi = len(essay) if essay_task else length
-        size = ruler.fit_size(count_tokens, budget, hi)
+        size = ruler.fit_size(count_tokens, budget, hi, guess=out[-1].size if out else None)
         s = make(size)
         ids = encode_prompt(lm, s.text, answer_prefix=s.answer_prefix)
         pos = _needle_token_pos(lm, s)
-        out.append(Prepared(s, ids, pos / ids.shape[1], pos))
+        out.append(Prepared(s, ids, pos / ids.shape[1], pos, size))
     return out
 
 
