@@ -157,6 +157,16 @@ def stream_tokens(
         tok = pick(logits[0, -1].float())
 
 
+def _check_room(lm: LoadedModel, n: int, max_new_tokens: int) -> None:
+    if max_new_tokens < 1:
+        raise RidgefillError("max_new_tokens must be at least 1")
+    if n + max_new_tokens > lm.context_length:
+        raise PromptError(
+            f"the prompt has {n} tokens; with max_new_tokens={max_new_tokens} it exceeds "
+            f"{lm.name}'s context of {lm.context_length}"
+        )
+
+
 @torch.inference_mode()
 def _greedy_batch(
     lm: LoadedModel, prefills: list[PrefillResult], firsts: list[int], max_new_tokens: int
@@ -188,8 +198,7 @@ def generate_batch(
     keys in every layer run as one batch of the stock forward (per row the same greedy tokens up
     to floating-point rounding), the others alone. A row's `decode_s` is its share of its batch."""
     n = int(ids.shape[1])
-    if n + max_new_tokens > lm.context_length:
-        raise PromptError(f"the prompt has {n} tokens; with {max_new_tokens} new ones it exceeds {lm.name}'s context")
+    _check_room(lm, n, max_new_tokens)
     engine = Engine(lm)
     pres, firsts, ttfts = [], [], []
     for method, kwargs in runs:
@@ -230,15 +239,9 @@ def generate(
         method: a name from `ridgefill.methods.METHODS`.
         method_kwargs: passed to the method (maps, split, tail, ...).
     """
-    if max_new_tokens < 1:
-        raise RidgefillError("max_new_tokens must be at least 1")
     ids = prompt if isinstance(prompt, torch.Tensor) else encode_prompt(lm, prompt, chat=chat)
     n = int(ids.shape[1])
-    if n + max_new_tokens > lm.context_length:
-        raise PromptError(
-            f"the prompt has {n} tokens; with max_new_tokens={max_new_tokens} it exceeds "
-            f"{lm.name}'s context of {lm.context_length}"
-        )
+    _check_room(lm, n, max_new_tokens)
     engine = Engine(lm)
     t0 = time.perf_counter()
     pre = run_prefill(engine, ids, method, **method_kwargs)

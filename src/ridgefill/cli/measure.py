@@ -140,12 +140,6 @@ def cmd_fill_error(args: argparse.Namespace) -> int:
     return 0
 
 
-DECODE_NOTE = (
-    "greedy, RULER's tokens_to_generate; the methods of one prompt whose caches hold the same keys decode as one "
-    "batch of the stock forward (each record's decode_batch; records without it decoded alone)"
-)
-
-
 def cmd_eval(args: argparse.Namespace) -> int:
     import time
 
@@ -154,7 +148,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from ridgefill.eval import report
     from ridgefill.eval.ppl import MethodSpec, tail_ppl
     from ridgefill.eval.ruler import TASKS, essay_sentences
-    from ridgefill.eval.runner import recovered_over_identity, run_eval, summarise
+    from ridgefill.eval.runner import DECODE, recovered_over_identity, run_eval, summarise
     from ridgefill.models import cache_dir, load_model
     from ridgefill.results import write_json
 
@@ -198,7 +192,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             args.out,
             {
                 "model": lm.name,
-                "decode": DECODE_NOTE,
+                "decode": DECODE,
                 "methods": [s.label for s in specs],
                 "settings": settings,
                 "seconds": seconds,

@@ -46,9 +46,8 @@ def niah_table(pooled: list[dict], ppl: list[dict] | None = None) -> str:
     for r in pooled:
         if r["method"] == "exact":
             continue
-        ppl_txt = (
-            "" if increase.get((r["method"], r["length"])) is None else f"{increase[(r['method'], r['length'])]:+.1f}%"
-        )
+        inc = increase.get((r["method"], r["length"]))
+        ppl_txt = "" if inc is None else f"{inc:+.1f}%"
         speed = "" if r.get("ttft_speedup") is None else f"{r['ttft_speedup']:.2f}x"
         lines.append(
             f"| {r['method']} | {r['length']} | {len(r['tasks'])} | {r['samples']} | {r['score']:.1f} | "

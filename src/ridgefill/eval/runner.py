@@ -30,6 +30,10 @@ from ridgefill.generation import encode_prompt, generate_batch, prompt_text
 from ridgefill.models.loading import LoadedModel
 
 DEPTH_BUCKETS = ("0-20", "20-40", "40-60", "60-80", "80-100")
+DECODE = (
+    "greedy, RULER's tokens_to_generate; the methods of one prompt whose caches hold the same keys decode as one "
+    "batch of the stock forward (each record's decode_batch; records without it decoded alone)"
+)
 
 
 @dataclass(frozen=True)
