@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ridgefill.cli.basic import cmd_demo, cmd_generate, cmd_models
 from ridgefill.cli.common import fill_args, model_args
-from ridgefill.cli.measure import cmd_bench, cmd_eval, cmd_fill_error, cmd_fit, cmd_ppl
+from ridgefill.cli.measure import cmd_ablation, cmd_bench, cmd_eval, cmd_fill_error, cmd_fit, cmd_ppl
 from ridgefill.cli.serve import cmd_loadtest, cmd_serve
 from ridgefill.cli.tune import cmd_tune, tune_args
 from ridgefill.errors import RidgefillError
@@ -51,6 +51,9 @@ EXAMPLES = {
   ridgefill eval --tasks niah_single_1 --lengths 2048 --samples 5
   ridgefill eval --lengths 4096 --samples 50 --methods identity,ridge --split 15 --ppl-docs 8 \\
       --out results/eval.json --plots results/eval_plots""",
+    "ablation": """examples:
+  ridgefill ablation results/eval_smollm2-135m_4k.json results/eval_query_rows.json \\
+      --out results/ablation_smollm2-135m_4k.json""",
     "tune": """examples:
   ridgefill tune --model smollm2-135m --budget-niah 2 --budget-ppl 5
   ridgefill tune --model qwen2.5-0.5b --splits 8,10,12 --out results/tune_qwen.json --plot results/tune_qwen.png
@@ -170,6 +173,13 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--out", type=Path, default=None, help="JSON results")
     v.add_argument("--plots", type=Path, default=None, help="folder for PNG plots")
     v.set_defaults(func=cmd_eval)
+
+    a = sub.add_parser(
+        "ablation", help="one table from several eval results files", epilog=EXAMPLES["ablation"], formatter_class=fmt
+    )
+    a.add_argument("files", nargs="+", type=Path, help="`ridgefill eval --out` JSON files")
+    a.add_argument("--out", type=Path, default=None, help="JSON output (a .md table is written beside it)")
+    a.set_defaults(func=cmd_ablation)
 
     u = sub.add_parser(
         "tune", help="fastest configuration within NIAH and PPL budgets", epilog=EXAMPLES["tune"], formatter_class=fmt

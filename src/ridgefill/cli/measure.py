@@ -1,4 +1,5 @@
-"""Subcommands that measure and write results: fit, bench, ppl, fill-error, eval."""
+"""Subcommands that measure and write results: fit, bench, ppl, fill-error, eval (and the
+ablation table that gathers eval results)."""
 
 from __future__ import annotations
 
@@ -148,7 +149,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from ridgefill.eval import report
     from ridgefill.eval.ppl import MethodSpec, tail_ppl
     from ridgefill.eval.ruler import TASKS, essay_sentences
-    from ridgefill.eval.runner import DECODE, recovered_over_identity, run_eval, summarise
+    from ridgefill.eval.runner import DECODE, recovered_over_identity, run_eval, spec_settings, summarise
     from ridgefill.models import cache_dir, load_model
     from ridgefill.results import write_json
 
@@ -195,6 +196,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
                 "decode": DECODE,
                 "methods": [s.label for s in specs],
                 "settings": settings,
+                "method_settings": {s.label: spec_settings(s) for s in specs},
                 "seconds": seconds,
                 "sample_compute_seconds": compute,
                 **summary,
@@ -206,4 +208,19 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.plots:
         for p in report.plot(summary["results"], args.plots, f"{lm.name}: RULER score by needle depth"):
             print(f"plot written to {p}")
+    return 0
+
+
+def cmd_ablation(args: argparse.Namespace) -> int:
+    from ridgefill.eval import ablation
+    from ridgefill.results import command_line, write_json
+
+    table = [row for f in args.files for row in ablation.rows(f)]
+    text = ablation.markdown(table)
+    print(text)
+    if args.out:
+        write_json(args.out, {"rows": table}, args.argv)
+        md = args.out.with_suffix(".md")
+        md.write_text(f"`{command_line(args.argv)}`\n\n{text}\n")
+        print(f"written to {args.out} and {md}")
     return 0

@@ -89,6 +89,16 @@ def prepare(lm: LoadedModel, task: str, length: int, count: int, seed: int, essa
     return out
 
 
+def spec_settings(spec: MethodSpec) -> dict:
+    """A method's full settings as written in results files: its name, every settings field and
+    the split of the maps it reads."""
+    settings, maps = spec.kwargs.get("settings"), spec.kwargs.get("maps")
+    out = {"method": spec.method, **(asdict(settings) if is_dataclass(settings) else {})}
+    if maps is not None:
+        out["maps_split"] = maps.split
+    return out
+
+
 def config_key(lm: LoadedModel, spec: MethodSpec) -> str:
     """What a cached record was computed with: model weights, dtype, method, its settings and the
     header of the maps it read. A cache entry is reused only under the same key, so re-running with

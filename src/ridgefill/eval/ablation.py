@@ -1,0 +1,157 @@
+"""Ablation tables (issue 5): rows gathered from several `ridgefill eval` results files.
+
+What it is: one row per (results file, method, length): the method's full settings, the needle
+tasks pooled and paired against exact on the same prompts (score, delta with 95% CI), the
+tail-perplexity increase and the TTFT ratio measured in that same run, and the command that
+made it. What it is not: a runner. Every figure comes from a results file as it was written (or,
+for files older than the pooled row, from their per-sample cache, checked against the file).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from ridgefill.errors import RidgefillError
+from ridgefill.eval.runner import summarise
+from ridgefill.methods import settings_for
+
+KNOBS = ("split", "tail", "sink", "query_rows", "drop", "sparse_keep")
+
+
+def label_settings(label: str, settings: dict) -> dict:
+    """A method label (`name[@split][:key=value...]`) read back into its full settings, with the
+    run's own options (split, sink, tail) under the label's overrides."""
+    name, *opts = label.split(":")
+    name, at, split = name.partition("@")
+    values = {k: settings[k] for k in ("split", "sink", "tail") if k in settings}
+    if at:
+        values["split"] = int(split)
+    for opt in opts:
+        key, _, value = opt.partition("=")
+        values[key] = float(value) if "." in value else int(value)
+    try:
+        s = settings_for(name, **values)
+    except RidgefillError as e:
+        raise RidgefillError(f"cannot read method label {label!r}: {e}") from None
+    return {"method": name, **({} if s is None else asdict(s))}
+
+
+def direction(s: dict) -> str:
+    """Which of issue 5's directions a configuration tests, from its settings."""
+    parts = []
+    if s.get("query_rows"):
+        parts.append("query-aware rows")
+    if s.get("drop"):
+        parts.append("dropped bulk rows")
+    if s.get("sparse_keep", 1) < 1 and s["method"] != "tokengate":
+        parts.append("sparse lower layers")
+    if s.get("tail", 256) != 256 or s.get("sink", 4) != 4:
+        parts.append("tail/sinks")
+    base = "plain fill" if s["method"] in ("identity", "ridge", "kva") else s["method"]
+    return " + ".join(parts) if parts else base
+
+
+def _pooled_from_cache(doc: dict, path: Path) -> list[dict]:
+    """`niah_pooled` for a results file written before it existed, from its per-sample cache,
+    after checking that the cache reproduces the file's per-task scores."""
+    cache = path.with_suffix(".samples.jsonl")
+    if not cache.is_file():
+        raise RidgefillError(f"{path} has no pooled needle row and its cache {cache} is missing")
+    wanted = {(r["method"], r["task"], r["length"]): r["samples"] for r in doc["results"]}
+    records, configs = [], {}
+    for line in cache.read_text().splitlines():
+        r = json.loads(line)
+        n = wanted.get((r["method"], r["task"], r["length"]))
+        if n is not None and r["index"] < n:
+            records.append(r)
+            configs.setdefault(r["method"], set()).add(r.get("config"))
+    mixed = [m for m, c in configs.items() if len(c) > 1]
+    if mixed:
+        raise RidgefillError(f"{cache} holds several configurations of {', '.join(mixed)}: rerun {path}'s command")
+    summary = summarise(records)
+    got = {(r["method"], r["task"], r["length"]): (r["samples"], r["score"]) for r in summary["results"]}
+    for r in doc["results"]:
+        if got.get((r["method"], r["task"], r["length"])) != (r["samples"], r["score"]):
+            raise RidgefillError(f"{cache} does not reproduce {path} ({r['method']}, {r['task']}): rerun its command")
+    return summary["niah_pooled"]
+
+
+def rows(path: str | Path) -> list[dict]:
+    """The ablation rows of one eval results file (every method but exact)."""
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text())
+        methods, settings, command = doc["methods"], doc["settings"], doc["command"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise RidgefillError(f"{path} is not a `ridgefill eval` results file ({e})") from None
+    pooled = doc.get("niah_pooled") or _pooled_from_cache(doc, path)
+    by_label = doc.get("method_settings") or {m: label_settings(m, settings) for m in methods}
+    ppl = {(p["method"], p["length"]): p for p in doc.get("ppl", [])}
+    out = []
+    for r in sorted(pooled, key=lambda r: (r["length"], methods.index(r["method"]))):
+        if r["method"] == "exact":
+            continue
+        p = ppl.get((r["method"], r["length"]), {})
+        s = by_label[r["method"]]
+        out.append(
+            {
+                "model": doc["model"],
+                "method": r["method"],
+                "fill": s["method"],
+                "direction": direction(s),
+                **{k: s.get(k) for k in KNOBS},
+                "length": r["length"],
+                "tasks": r["tasks"],
+                "samples": r["samples"],
+                "niah": r["score"],
+                "exact_niah": r["exact_score"],
+                "delta_vs_exact": r["delta_vs_exact"],
+                "ci95": r["ci95"],
+                "ppl_increase_pct": p.get("ppl_increase_pct"),
+                "ppl_docs": p.get("docs"),
+                "ttft_speedup": r.get("ttft_speedup"),
+                "source": str(path),
+                "command": command,
+            }
+        )
+    return out
+
+
+def _knob(value) -> str:
+    return "-" if value is None else f"{value:g}"
+
+
+def markdown(table: list[dict]) -> str:
+    """The ablation table: one line per row, the settings first, then the paired figures."""
+    head = [
+        "model",
+        "direction",
+        "fill",
+        *KNOBS,
+        "n",
+        "NIAH",
+        "exact",
+        "delta [95% CI]",
+        "tail PPL",
+        "TTFT x",
+        "source",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in table:
+        ppl = "" if r["ppl_increase_pct"] is None else f"{r['ppl_increase_pct']:+.1f}% ({r['ppl_docs']} docs)"
+        speed = "" if r["ttft_speedup"] is None else f"{r['ttft_speedup']:.2f}x"
+        delta = f"{r['delta_vs_exact']:+.1f} [{r['ci95'][0]:+.1f}, {r['ci95'][1]:+.1f}]"
+        knobs = [_knob(r[k]) for k in KNOBS]
+        cells = [
+            r["model"],
+            r["direction"],
+            r["fill"],
+            *knobs,
+            str(r["samples"]),
+            f"{r['niah']:.1f}",
+            f"{r['exact_niah']:.1f}",
+        ]
+        lines.append("| " + " | ".join([*cells, delta, ppl, speed, Path(r["source"]).name]) + " |")
+    return "\n".join(lines)
