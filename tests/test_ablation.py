@@ -54,6 +54,9 @@ def test_rows_carry_settings_paired_figures_and_command(tmp_path):
     assert (ridge["samples"], ridge["niah"], ridge["exact_niah"], ridge["delta_vs_exact"]) == (4, 25.0, 75.0, -50.0)
     assert ridge["ppl_increase_pct"] == 4.5 and wide["ppl_increase_pct"] is None
     assert ridge["ttft_speedup"] == 2.0 and ridge["command"] == "ridgefill eval --lengths 64"
+    assert ablation.label_settings("ridge:outlier_factor=none", {})["outlier_factor"] is None
+    with pytest.raises(RidgefillError, match="bad value in 'drop=x'"):
+        ablation.label_settings("ridge:drop=x", {})
     table = ablation.markdown(rows)
     assert "| tiny | plain fill | ridge | 15 | 256 | 4 | 0 | 0 | 1 | 4 | 25.0 | 75.0 | -50.0 [" in table
 

@@ -30,7 +30,10 @@ def label_settings(label: str, settings: dict) -> dict:
         values["split"] = int(split)
     for opt in opts:
         key, _, value = opt.partition("=")
-        values[key] = float(value) if "." in value else int(value)
+        try:
+            values[key] = None if value == "none" else float(value) if "." in value else int(value)
+        except ValueError:
+            raise RidgefillError(f"cannot read method label {label!r}: bad value in {opt!r}") from None
     try:
         s = settings_for(name, **values)
     except RidgefillError as e:
