@@ -12,7 +12,7 @@ from ridgefill.errors import RidgefillError
 from ridgefill.eval import ablation
 from ridgefill.eval.runner import summarise
 
-METHODS = ["exact", "ridge", "ridge:query_rows=512:tail=512", "identity@13:drop=0.5"]
+METHODS = ["exact", "ridge", "ridge:query_rows=512:tail=512", "identity:split=13:drop=0.5"]
 
 
 def _records():

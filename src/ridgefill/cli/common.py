@@ -50,29 +50,15 @@ def method_spec(lm, spec: str, split: int | None, args: argparse.Namespace):
     sparse_keep, ...); they override the command's own options for this method only, so one run
     can compare variants.
     """
-    from dataclasses import fields
-
     from ridgefill.eval.ppl import MethodSpec
-    from ridgefill.methods import SETTINGS, get_method
+    from ridgefill.methods import parse_method
 
     name, *opts = spec.split(":")
     if name == "tuned":
         if opts:
             raise RidgefillError("`tuned` takes no options: its settings come from the bundle `ridgefill tune` wrote")
         return MethodSpec("tuned", *resolve_method(lm, name, split, args))
-    get_method(name)
-    known = {f.name: f.type for f in fields(SETTINGS[name][0])} if name in SETTINGS else {}
-    over: dict = {}
-    for opt in opts:
-        key, eq, value = opt.partition("=")
-        if not eq or key not in known:
-            raise RidgefillError(
-                f"bad method option {opt!r} in {spec!r}; use key=value with key in {', '.join(known) or '(none)'}"
-            )
-        try:
-            over[key] = None if value == "none" else (float(value) if "float" in str(known[key]) else int(value))
-        except ValueError:
-            raise RidgefillError(f"bad value in {opt!r} (method {spec!r})") from None
+    name, over = parse_method(spec)
     return MethodSpec(spec, name, method_kwargs(lm, name, over.pop("split", split), args, **over))
 
 

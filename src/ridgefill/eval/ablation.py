@@ -15,29 +15,20 @@ from pathlib import Path
 
 from ridgefill.errors import RidgefillError
 from ridgefill.eval.runner import summarise
-from ridgefill.methods import settings_for
+from ridgefill.methods import parse_method, settings_for
 
 KNOBS = ("split", "tail", "sink", "query_rows", "drop", "sparse_keep")
 
 
 def label_settings(label: str, settings: dict) -> dict:
-    """A method label (`name[@split][:key=value...]`) read back into its full settings, with the
-    run's own options (split, sink, tail) under the label's overrides."""
-    name, *opts = label.split(":")
-    name, at, split = name.partition("@")
+    """A method label (`name[:key=value...]`, as `eval --methods` takes it) read back into its full
+    settings: the run's own options (split, sink, tail) under the label's overrides."""
     values = {k: settings[k] for k in ("split", "sink", "tail") if k in settings}
-    if at:
-        values["split"] = int(split)
-    for opt in opts:
-        key, _, value = opt.partition("=")
-        try:
-            values[key] = None if value == "none" else float(value) if "." in value else int(value)
-        except ValueError:
-            raise RidgefillError(f"cannot read method label {label!r}: bad value in {opt!r}") from None
     try:
-        s = settings_for(name, **values)
+        name, over = parse_method(label)
     except RidgefillError as e:
         raise RidgefillError(f"cannot read method label {label!r}: {e}") from None
+    s = settings_for(name, **{**values, **over})
     return {"method": name, **({} if s is None else asdict(s))}
 
 

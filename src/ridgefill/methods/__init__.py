@@ -28,6 +28,7 @@ __all__ = [
     "FillSettings",
     "GateSettings",
     "get_method",
+    "parse_method",
     "prefill_kwargs",
     "run_prefill",
     "settings_for",
@@ -91,6 +92,28 @@ def settings_for(method: str, **values: Any) -> FillSettings | GateSettings | No
     cls, defaults = SETTINGS[method]
     names = {f.name for f in fields(cls)}
     return cls(**{**defaults, **{k: v for k, v in values.items() if k in names}})
+
+
+def parse_method(spec: str) -> tuple[str, dict[str, Any]]:
+    """`name[:key=value...]` -> (method name, settings overrides), each value converted to its
+    settings field's type (`none` -> None); unknown names, keys and bad values are refused."""
+    from dataclasses import fields
+
+    name, *opts = spec.split(":")
+    get_method(name)
+    known = {f.name: f.type for f in fields(SETTINGS[name][0])} if name in SETTINGS else {}
+    over: dict[str, Any] = {}
+    for opt in opts:
+        key, eq, value = opt.partition("=")
+        if not eq or key not in known:
+            raise RidgefillError(
+                f"bad method option {opt!r} in {spec!r}; use key=value with key in {', '.join(known) or '(none)'}"
+            )
+        try:
+            over[key] = None if value == "none" else (float(value) if "float" in str(known[key]) else int(value))
+        except ValueError:
+            raise RidgefillError(f"bad value in {opt!r} (method {spec!r})") from None
+    return name, over
 
 
 def prefill_kwargs(lm, method: str, settings: FillSettings | GateSettings | None, maps_dir=None) -> dict[str, Any]:
