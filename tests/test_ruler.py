@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from ridgefill.eval import ruler
+from ridgefill.eval.adapter import EngineAdapter, prepare
 from ridgefill.eval.ppl import MethodSpec
-from ridgefill.eval.runner import prepare, run_eval, summarise
+from ridgefill.eval.runner import run_eval, summarise
 
 ESSAY = ruler.essay_sentences([f"Sentence number {i} talks about the weather in the valley." for i in range(3000)])
 
@@ -120,11 +121,12 @@ def test_prompts_fill_the_length_exactly(smollm2, task):
 @pytest.mark.slow
 def test_exact_against_itself_has_zero_delta(smollm2, tmp_path):
     specs = [MethodSpec("exact", "exact", {}), MethodSpec("exact-again", "exact", {})]
-    recs = run_eval(smollm2, ["niah_single_1"], [512], 2, specs, ESSAY, tmp_path / "c.jsonl")
+    task = [ruler.RulerTask("niah_single_1")]
+    recs = run_eval(EngineAdapter(smollm2, specs), task, [512], 2, tmp_path / "c.jsonl")
     again = next(r for r in summarise(recs)["results"] if r["method"] == "exact-again")
     assert again["delta_vs_exact"] == 0 and again["ci95"] == [0.0, 0.0]
     # Resuming reads the cache instead of running again.
-    assert run_eval(smollm2, ["niah_single_1"], [512], 2, specs, ESSAY, tmp_path / "c.jsonl") == recs
+    assert run_eval(EngineAdapter(smollm2, specs), task, [512], 2, tmp_path / "c.jsonl") == recs
 
 
 def test_summary_pairs_ttft_per_prompt():
@@ -138,7 +140,7 @@ def test_summary_pairs_ttft_per_prompt():
 
 def test_cache_key_names_what_a_record_was_computed_with():
     from conftest import make_tiny
-    from ridgefill.eval.runner import config_key
+    from ridgefill.eval.adapter import config_key
     from ridgefill.methods import FillSettings
 
     lm = make_tiny("llama")

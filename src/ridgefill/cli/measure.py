@@ -147,9 +147,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from ridgefill.corpus import load_corpus
     from ridgefill.engine import Engine
     from ridgefill.eval import report
+    from ridgefill.eval.adapter import DECODE, EngineAdapter, spec_settings
     from ridgefill.eval.ppl import MethodSpec, tail_ppl
-    from ridgefill.eval.ruler import TASKS, essay_sentences
-    from ridgefill.eval.runner import DECODE, recovered_over_identity, run_eval, spec_settings, summarise
+    from ridgefill.eval.ruler import TASKS, RulerTask, essay_sentences
+    from ridgefill.eval.runner import recovered_over_identity, run_eval, summarise
     from ridgefill.models import cache_dir, load_model
     from ridgefill.results import write_json
 
@@ -170,7 +171,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     cache = args.cache or (
         args.out.with_suffix(".samples.jsonl") if args.out else cache_dir() / "eval" / "samples.jsonl"
     )
-    records = run_eval(lm, list(tasks), list(lengths), args.samples, specs, essay, cache, args.seed, args.tail)
+    ruler_tasks = [RulerTask(t, tuple(essay)) for t in tasks]
+    records = run_eval(EngineAdapter(lm, specs), ruler_tasks, list(lengths), args.samples, cache, args.seed, args.tail)
     summary = summarise(records)
     ppl = []
     if args.ppl_docs:
@@ -181,6 +183,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if any(r["method"] != "exact" for r in summary["niah_pooled"]):
         print("\nNeedle tasks pooled (each method paired against exact on the same prompts):")
         print(report.niah_table(summary["niah_pooled"], ppl))
+        for line in report.needle_lines(summary["niah_pooled"]):
+            print(line)
     for r in recovered:
         where = f"{r['task']} @ {r['length']}"
         print(f"ridge - identity in the filled region, {where}: {r['points']:+.1f} points (n={r['samples']})")

@@ -57,6 +57,24 @@ def niah_table(pooled: list[dict], ppl: list[dict] | None = None) -> str:
     return "\n".join(lines)
 
 
+def needle_lines(pooled: list[dict]) -> list[str]:
+    """One line per fill method: where the needle's rows ran, and what each case scored."""
+    out = []
+    for r in pooled:
+        nr = r.get("needle_rows")
+        if not nr:
+            continue
+        parts = []
+        for kind in ("full", "part", "none"):
+            c = nr[kind]
+            if c["prompts"]:
+                ex = "-" if c["exact_score"] is None else f"{c['exact_score']:.1f}"
+                parts.append(f"{kind} in {c['prompts']} ({c['score']:.1f} vs exact {ex})")
+        rank = "" if nr["rank_median"] is None else f"; median rank of the needle by row score {nr['rank_median']}"
+        out.append(f"{r['method']} @ {r['length']}: needle rows ran {', '.join(parts)}{rank}")
+    return out
+
+
 def plot(results: list[dict], out_dir: str | Path, title: str) -> list[Path]:
     """score_by_depth.png (mean over tasks) and heatmap.png (length x depth, one panel per method)."""
     import matplotlib

@@ -15,11 +15,12 @@ import re
 import string
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cache
 from importlib.resources import files
 
 from ridgefill.errors import RidgefillError
+from ridgefill.eval.api import Sample
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 DEPTHS = [round(i * 100 / 39) for i in range(40)]  # RULER: np.linspace(0, 100, 40) rounded
@@ -64,18 +65,6 @@ NIAH_TASKS: dict[str, NiahSpec] = {
 }
 TASKS = (*NIAH_TASKS, "vt")
 TOKENS_TO_GENERATE = {"vt": 30, **dict.fromkeys(NIAH_TASKS, 128)}
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One RULER sample: the user turn, the answer prefix for the assistant turn, the references."""
-
-    task: str
-    index: int
-    text: str
-    answer_prefix: str
-    answers: list[str]
-    needles: list[str] = field(default_factory=list)  # the inserted needle strings, for depth checks
 
 
 @cache
@@ -232,3 +221,43 @@ def fit_size(count_tokens: Callable[[int], int], budget: int, hi: int, guess: in
         else:
             hi = mid - 1
     return lo
+
+
+@dataclass(frozen=True)
+class RulerTask:
+    """One RULER task behind the `api.Task` interface: seeded samples fitted to a token budget by
+    binary search over the haystack size, scored with `string_match_all`."""
+
+    name: str
+    essay: tuple[str, ...] = ()  # essay sentences (niah tasks with an essay haystack)
+
+    def __post_init__(self) -> None:
+        if self.name not in TASKS:
+            raise RidgefillError(f"unknown task {self.name!r}; choose from {', '.join(TASKS)}")
+        if self.name in NIAH_TASKS and NIAH_TASKS[self.name].haystack == "essay" and not self.essay:
+            raise RidgefillError(f"{self.name} needs essay sentences for its haystack")
+
+    @property
+    def max_new_tokens(self) -> int:
+        return TOKENS_TO_GENERATE[self.name]
+
+    def _make(self, size: int, state: int, index: int) -> Sample:
+        rng = random.Random(state)
+        if self.name == "vt":
+            return vt_sample(size, rng, example_size=20, index=index)
+        return niah_sample(self.name, size, rng, list(self.essay), index=index)
+
+    def samples(self, count_tokens: Callable[[Sample], int], length: int, count: int, seed: int) -> list[Sample]:
+        budget = length - self.max_new_tokens
+        essay_task = self.name in NIAH_TASKS and NIAH_TASKS[self.name].haystack == "essay"
+        hi = len(self.essay) if essay_task else length
+        out, size = [], None
+        for i in range(count):
+            state = seed * 1_000_003 + TASKS.index(self.name) * 10_007 + i
+            # Each sample's size search starts from its sibling's size (a few tokenisations).
+            size = fit_size(lambda n, state=state, i=i: count_tokens(self._make(n, state, i)), budget, hi, guess=size)
+            out.append(self._make(size, state, i))
+        return out
+
+    def score(self, prediction: str, sample: Sample) -> float:
+        return 100 * string_match_all(prediction, sample.answers)

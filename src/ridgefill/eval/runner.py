@@ -1,118 +1,29 @@
-"""`ridgefill eval`: every sample under every method, paired against exact, resumable.
+"""`ridgefill eval`'s run loop and summary: every sample under every method, paired against exact.
 
-What it is: RULER samples are built once per (task, length) with the model's tokenizer and
-chat template (answer prefix inside the assistant turn); each sample runs under `exact` and every
-chosen method with the same prompt, greedy; the layers all of them run in full are computed once
-per prompt and shared (each method's TTFT still counts them). Per-sample results are appended to
-a JSONL cache, so an interrupted run resumes. The report gives scores per task, length, depth bucket and method,
-each method's paired difference from exact with a 95% bootstrap interval, and the points ridge
-recovers over identity for needles inside the filled region. What it is not: a sample generator
-(ruler.py) or a prefill method.
+What it is: for each task and length, the task's samples are made once (fitted with the adapter's
+tokeniser) and each runs under `exact` and every other method of the adapter with the same prompt.
+Per-sample results are appended to a JSONL cache keyed by prompt and method configuration, so an
+interrupted run resumes. The summary gives scores per task, length, depth bucket and method, each
+method's paired difference from exact with a 95% bootstrap interval, the needle tasks pooled, and
+the points ridge recovers over identity for needles inside the filled region. It is written
+against the two interfaces of `api.py` only. What it is not: a task (`ruler.py`, `dummy.py`) or a
+model/method adapter (`adapter.py`, `dummy.py`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import random
-from dataclasses import asdict, dataclass, is_dataclass
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from ridgefill.engine import Engine
 from ridgefill.errors import RidgefillError
 from ridgefill.eval import ruler
-from ridgefill.eval.ppl import MethodSpec, shared_lower
-from ridgefill.fit.maps import fingerprint
-from ridgefill.generation import encode_prompt, generate_batch, prompt_text
-from ridgefill.models.loading import LoadedModel
+from ridgefill.eval.api import Adapter, Task
 
 DEPTH_BUCKETS = ("0-20", "20-40", "40-60", "60-80", "80-100")
-DECODE = (
-    "greedy, RULER's tokens_to_generate; the methods of one prompt whose caches hold the same keys decode as one "
-    "batch of the stock forward (each record's decode_batch; records without it decoded alone)"
-)
-
-
-@dataclass(frozen=True)
-class Prepared:
-    sample: ruler.Sample
-    input_ids: torch.Tensor  # (1, N)
-    depth: float  # relative token position of the first queried needle (0..1)
-    needle_pos: int  # its token position
-    size: int  # haystack units that fit the length
-
-    @property
-    def key(self) -> str:
-        return hashlib.sha1(self.input_ids.numpy().tobytes()).hexdigest()[:16]
-
-
-def _needle_token_pos(lm: LoadedModel, sample: ruler.Sample) -> int:
-    """Token position where the needle holding the first answer starts (from token offsets)."""
-    needle = next(n for n in sample.needles if sample.answers[0] in n)
-    text, special = prompt_text(lm, sample.text, answer_prefix=sample.answer_prefix)
-    at = text.index(needle)
-    offsets = lm.tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)["offset_mapping"]
-    return next(i for i, (_, end) in enumerate(offsets) if end > at)
-
-
-def prepare(lm: LoadedModel, task: str, length: int, count: int, seed: int, essay: list[str]) -> list[Prepared]:
-    """Build `count` samples of `task` whose prompts fill `length` tokens less the answer budget."""
-    if task not in ruler.TASKS:
-        raise RidgefillError(f"unknown task {task!r}; choose from {', '.join(ruler.TASKS)}")
-    if length > lm.context_length:
-        raise RidgefillError(f"length {length} exceeds {lm.name}'s context of {lm.context_length}")
-    budget = length - ruler.TOKENS_TO_GENERATE[task]
-    essay_task = task in ruler.NIAH_TASKS and ruler.NIAH_TASKS[task].haystack == "essay"
-    out = []
-    for i in range(count):
-        state = seed * 1_000_003 + ruler.TASKS.index(task) * 10_007 + i
-
-        def make(size: int, state=state, i=i) -> ruler.Sample:
-            rng = random.Random(state)
-            if task == "vt":
-                return ruler.vt_sample(size, rng, example_size=20, index=i)
-            return ruler.niah_sample(task, size, rng, essay, index=i)
-
-        def count_tokens(size: int) -> int:
-            s = make(size)
-            return int(encode_prompt(lm, s.text, answer_prefix=s.answer_prefix).shape[1])
-
-        hi = len(essay) if essay_task else length
-        size = ruler.fit_size(count_tokens, budget, hi, guess=out[-1].size if out else None)
-        s = make(size)
-        ids = encode_prompt(lm, s.text, answer_prefix=s.answer_prefix)
-        pos = _needle_token_pos(lm, s)
-        out.append(Prepared(s, ids, pos / ids.shape[1], pos, size))
-    return out
-
-
-def spec_settings(spec: MethodSpec) -> dict:
-    """A method's full settings as written in results files: its name, every settings field and
-    the split of the maps it reads."""
-    settings, maps = spec.kwargs.get("settings"), spec.kwargs.get("maps")
-    out = {"method": spec.method, **(asdict(settings) if is_dataclass(settings) else {})}
-    if maps is not None:
-        out["maps_split"] = maps.split
-    return out
-
-
-def config_key(lm: LoadedModel, spec: MethodSpec) -> str:
-    """What a cached record was computed with: model weights, dtype, method, its settings and the
-    header of the maps it read. A cache entry is reused only under the same key, so re-running with
-    another split, tail, dtype or refitted maps recomputes instead of reusing stale records."""
-    kw = spec.kwargs
-    settings, maps = kw.get("settings"), kw.get("maps")
-    what = {
-        "model": fingerprint(lm)["weights_sha256"],
-        "dtype": str(lm.dtype),
-        "method": spec.method,
-        "settings": asdict(settings) if is_dataclass(settings) else settings,
-        "maps": None if maps is None else {"method": maps.method, "split": maps.split, "header": maps.header},
-    }
-    return hashlib.sha1(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
 def _bootstrap_ci(diffs: list[float], seed: int = 0, rounds: int = 2000) -> list[float]:
@@ -125,65 +36,64 @@ def _bootstrap_ci(diffs: list[float], seed: int = 0, rounds: int = 2000) -> list
 
 
 def run_eval(
-    lm: LoadedModel,
-    tasks: list[str],
+    adapter: Adapter,
+    tasks: Sequence[Task],
     lengths: list[int],
     samples: int,
-    specs: list[MethodSpec],
-    essay: list[str],
     cache_path: Path,
     seed: int = 42,
     tail: int | None = None,
 ) -> list[dict]:
-    """Run every (task, length, sample, method); return per-sample records (cached in JSONL)."""
-    if specs[0].label != "exact":
+    """Run every (task, length, sample, method) of `adapter`; return per-sample records (cached in
+    JSONL). `tail`: rows the methods run in full at the end of the prompt, for the filled-region
+    figure (a record is `filled` when its needle sits before them)."""
+    if not adapter.methods or adapter.methods[0] != "exact":
         raise RidgefillError("the first method must be exact: every score is paired against it")
+    for n in lengths:
+        if n > adapter.context_length:
+            raise RidgefillError(f"length {n} exceeds {adapter.name}'s context of {adapter.context_length}")
     done: dict[tuple, dict] = {}
     if cache_path.is_file():
         for line in cache_path.read_text().splitlines():
             r = json.loads(line)
             done[(r["task"], r["length"], r["index"], r["method"], r["prompt"], r.get("config"))] = r
     cache_path.parent.mkdir(parents=True, exist_ok=True)
-    configs = {s.label: config_key(lm, s) for s in specs}
+    configs = {m: adapter.config(m) for m in adapter.methods}
     records = []
     jobs = [(t, n) for t in tasks for n in lengths]
-    bar = tqdm(total=len(jobs) * samples * len(specs), desc=f"eval {lm.name}", unit="run")
+    bar = tqdm(total=len(jobs) * samples * len(configs), desc=f"eval {adapter.name}", unit="run")
     with cache_path.open("a") as cache_file:
         for task, n in jobs:
-            for p in prepare(lm, task, n, samples, seed, essay):
-                todo = [s for s in specs if (task, n, p.sample.index, s.label, p.key, configs[s.label]) not in done]
-                # The layers every method runs in full are run once per prompt and shared; each
-                # method's TTFT still counts them (lower.seconds).
-                lower = shared_lower(Engine(lm), p.input_ids, todo) if len(todo) > 1 else None
-                shared_s = lower.seconds if lower else 0.0
-                max_new = ruler.TOKENS_TO_GENERATE[task]
-                runs = [(s.method, {"lower": lower, **s.kwargs}) for s in todo]
-                outs = dict(zip([s.label for s in todo], generate_batch(lm, p.input_ids, runs, max_new), strict=True))
-                for spec in specs:
-                    key = (task, n, p.sample.index, spec.label, p.key, configs[spec.label])
-                    if key not in done:
-                        res = outs[spec.label]
-                        done[key] = {
-                            "task": task,
+            for sample in task.samples(adapter.count_tokens, n, samples, seed):
+                p = adapter.prompt(sample)
+                keys = {m: (task.name, n, sample.index, m, p.key, c) for m, c in configs.items()}
+                todo = [m for m in configs if keys[m] not in done]
+                outs = adapter.generate(sample, todo, task.max_new_tokens) if todo else {}
+                for m, k in keys.items():
+                    if k not in done:
+                        res = outs[m]
+                        done[k] = {
+                            "task": task.name,
                             "length": n,
-                            "index": p.sample.index,
-                            "method": spec.label,
+                            "index": sample.index,
+                            "method": m,
                             "prompt": p.key,
-                            "config": configs[spec.label],
-                            "prompt_tokens": int(p.input_ids.shape[1]),
-                            "depth": round(p.depth, 4),
+                            "config": k[-1],
+                            "prompt_tokens": p.tokens,
+                            "depth": None if p.needle_pos is None else round(p.needle_pos / p.tokens, 4),
                             "needle_pos": p.needle_pos,
-                            "filled": tail is not None and p.needle_pos < p.input_ids.shape[1] - tail,
-                            "score": 100 * ruler.string_match_all(res.text, p.sample.answers),
+                            "filled": tail is not None and p.needle_pos is not None and p.needle_pos < p.tokens - tail,
+                            "score": task.score(res.text, sample),
                             "prediction": res.text,
-                            "answers": p.sample.answers,
-                            "ttft_s": round(res.ttft_s + shared_s, 4),
-                            "run_s": round(res.ttft_s + res.decode_s + shared_s / len(todo), 4),
+                            "answers": sample.answers,
+                            "ttft_s": res.ttft_s,
+                            "run_s": res.run_s,
                             "decode_batch": res.decode_batch,
+                            **res.info,
                         }
-                        cache_file.write(json.dumps(done[key]) + "\n")
+                        cache_file.write(json.dumps(done[k]) + "\n")
                         cache_file.flush()
-                    records.append(done[key])
+                    records.append(done[k])
                     bar.update()
     bar.close()
     return records
@@ -202,7 +112,33 @@ def _paired(rows: dict[tuple, dict], exact: dict[tuple, dict]) -> dict:
         "exact_score": round(sum(exact[k]["score"] for k in rows if k in exact) / len(paired), 2) if paired else None,
         # Paired per prompt; a reused cache may pair different processes (bench is the clean figure).
         "ttft_speedup": round(speed[len(speed) // 2], 3) if speed else None,
+        "needle_rows": _needle_rows(rows, exact),
     }
+
+
+def _mean(xs: list[float]) -> float | None:
+    return round(sum(xs) / len(xs), 2) if xs else None
+
+
+def _needle_rows(rows: dict[tuple, dict], exact: dict[tuple, dict]) -> dict | None:
+    """Scores split by whether the fill ran the needle's rows fully (all, part or none of its
+    tokens), beside exact's on the same prompts, and the median rank of the needle under the row
+    score (records that carry `needle_full` / `needle_rank`; None without them)."""
+    known = [k for k, r in rows.items() if r.get("needle_full") is not None]
+    if not known:
+        return None
+    kinds = {"full": lambda f: f == 1, "part": lambda f: 0 < f < 1, "none": lambda f: f == 0}
+    out: dict = {}
+    for kind, test in kinds.items():
+        ks = [k for k in known if test(rows[k]["needle_full"])]
+        out[kind] = {
+            "prompts": len(ks),
+            "score": _mean([rows[k]["score"] for k in ks]),
+            "exact_score": _mean([exact[k]["score"] for k in ks if k in exact]),
+        }
+    ranks = sorted(rows[k]["needle_rank"] for k in known if rows[k].get("needle_rank") is not None)
+    out["rank_median"] = ranks[len(ranks) // 2] if ranks else None
+    return out
 
 
 def summarise(records: list[dict]) -> dict:
@@ -215,7 +151,8 @@ def summarise(records: list[dict]) -> dict:
     for (method, task, n), rows in sorted(by.items()):
         buckets: dict[str, list[float]] = {b: [] for b in DEPTH_BUCKETS}
         for r in rows.values():
-            buckets[DEPTH_BUCKETS[min(4, int(r["depth"] * 5))]].append(r["score"])
+            if r["depth"] is not None:
+                buckets[DEPTH_BUCKETS[min(4, int(r["depth"] * 5))]].append(r["score"])
         results.append(
             {
                 "method": method,

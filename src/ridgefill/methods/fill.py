@@ -177,6 +177,7 @@ def prefill_fill(
     bulk = ~full
     if s.query_rows or s.drop:
         scores = token_scores(engine, s.split, h, tables, s.query_last)
+        meta.update(row_scores=scores, score_candidates=bulk)  # for diagnostics (eval's needle rank)
         if s.query_rows:
             full |= pick_spans(scores, ~full, s.query_rows, s.query_window)
         bulk = ~full

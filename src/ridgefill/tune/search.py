@@ -29,8 +29,8 @@ from ridgefill.bench.flops import exact_macs, plan_macs
 from ridgefill.engine import Engine, LowerState
 from ridgefill.errors import RidgefillError
 from ridgefill.eval import ruler
+from ridgefill.eval.adapter import Prepared
 from ridgefill.eval.ppl import increase_pct, scored_nll, tail_rows
-from ridgefill.eval.runner import Prepared
 from ridgefill.fit.maps import FillMaps
 from ridgefill.generation import stream_tokens
 from ridgefill.methods import run_prefill
@@ -323,7 +323,7 @@ def tuning_set(lm: LoadedModel, cfg: TuneConfig, corpus: str | None = None) -> t
     """NIAH prompts (tasks interleaved, so an early out sees every task) and perplexity documents,
     both from the corpus's held-out split: the final check reads the evaluation split."""
     from ridgefill.corpus import load_corpus, token_segments
-    from ridgefill.eval.runner import prepare
+    from ridgefill.eval.adapter import prepare
 
     cfg.check()
     if cfg.length > lm.context_length:

@@ -1,0 +1,166 @@
+"""Our engine behind the evaluation's `api.Adapter` interface.
+
+What it is: a loaded model and its labelled prefill methods (`MethodSpec`, "exact" first). Prompts
+go through the model's chat template with the answer prefix inside the assistant turn (RULER's
+layout); every method answers greedily; the layers all methods of a prompt run in full are computed
+once and shared (each method's TTFT still counts them). Also `prepare`, RULER prompts as token ids
+for the tuner. What it is not: scoring or the run loop (`runner.py`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, is_dataclass
+
+import torch
+
+from ridgefill.engine import Engine
+from ridgefill.errors import RidgefillError
+from ridgefill.eval.api import Generation, Prompt, Sample
+from ridgefill.eval.ppl import MethodSpec, shared_lower
+from ridgefill.eval.ruler import RulerTask
+from ridgefill.fit.maps import fingerprint
+from ridgefill.generation import encode_prompt, generate_batch, prompt_text
+from ridgefill.models.loading import LoadedModel
+
+DECODE = (
+    "greedy, RULER's tokens_to_generate; the methods of one prompt whose caches hold the same keys decode as one "
+    "batch of the stock forward (each record's decode_batch; records without it decoded alone)"
+)
+
+
+def spec_settings(spec: MethodSpec) -> dict:
+    """A method's full settings as written in results files: its name, every settings field and
+    the split of the maps it reads."""
+    settings, maps = spec.kwargs.get("settings"), spec.kwargs.get("maps")
+    out = {"method": spec.method, **(asdict(settings) if is_dataclass(settings) else {})}
+    if maps is not None:
+        out["maps_split"] = maps.split
+    return out
+
+
+def config_key(lm: LoadedModel, spec: MethodSpec) -> str:
+    """What a cached record was computed with: model weights, dtype, method, its settings and the
+    header of the maps it read. A cache entry is reused only under the same key, so re-running with
+    another split, tail, dtype or refitted maps recomputes instead of reusing stale records."""
+    kw = spec.kwargs
+    settings, maps = kw.get("settings"), kw.get("maps")
+    what = {
+        "model": fingerprint(lm)["weights_sha256"],
+        "dtype": str(lm.dtype),
+        "method": spec.method,
+        "settings": asdict(settings) if is_dataclass(settings) else settings,
+        "maps": None if maps is None else {"method": maps.method, "split": maps.split, "header": maps.header},
+    }
+    return hashlib.sha1(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def needle_span(lm: LoadedModel, sample: Sample) -> tuple[int, int] | None:
+    """Token positions [start, end) of the needle holding the first answer (from token offsets)."""
+    needle = next((n for n in sample.needles if sample.answers and sample.answers[0] in n), None)
+    if needle is None:
+        return None
+    text, special = prompt_text(lm, sample.text, answer_prefix=sample.answer_prefix)
+    at = text.index(needle)
+    offsets = lm.tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)["offset_mapping"]
+    inside = [i for i, (a, b) in enumerate(offsets) if b > at and a < at + len(needle)]
+    return inside[0], inside[-1] + 1
+
+
+def needle_rows(meta: dict, span: tuple[int, int] | None) -> dict:
+    """Did a fill method run the needle's rows fully, and how did its row score rank the needle?
+
+    `needle_full`: the fraction of the needle's tokens that ran every layer (None when the method
+    ran every row: exact, or a prompt too short to fill). `needle_rank`: 1 + the candidate rows
+    scored above the needle's best token by the split-layer query score (None without the score).
+    Issue 5's question "is the needle scored?", answered on every eval record.
+    """
+    full = meta.get("full_positions")
+    if span is None or full is None or meta.get("ran_exact"):
+        return {}
+    lo, hi = span
+    ran = torch.zeros(hi - lo, dtype=torch.bool)
+    inside = full[(full >= lo) & (full < hi)] - lo
+    ran[inside] = True
+    out = {"needle_full": round(float(ran.float().mean()), 3)}
+    scores, cand = meta.get("row_scores"), meta.get("score_candidates")
+    if scores is not None:
+        best = scores[lo:hi].max()
+        out["needle_rank"] = int((scores.masked_fill(~cand, float("-inf")) > best).sum()) + 1
+    return out
+
+
+def _encode(lm: LoadedModel, sample: Sample) -> torch.Tensor:
+    return encode_prompt(lm, sample.text, answer_prefix=sample.answer_prefix)  # (1, N)
+
+
+def prompt_key(ids: torch.Tensor) -> str:
+    return hashlib.sha1(ids.numpy().tobytes()).hexdigest()[:16]
+
+
+class EngineAdapter:
+    """`api.Adapter` for a loaded model and its methods."""
+
+    def __init__(self, lm: LoadedModel, specs: Sequence[MethodSpec]):
+        if not specs or specs[0].label != "exact":
+            raise RidgefillError("the first method must be exact: every score is paired against it")
+        labels = [s.label for s in specs]
+        if len(set(labels)) != len(labels):
+            raise RidgefillError(f"method labels must differ: {', '.join(labels)}")
+        self.lm, self.specs = lm, {s.label: s for s in specs}
+        self.name, self.context_length, self.methods = lm.name, lm.context_length, labels
+        self._configs = {s.label: config_key(lm, s) for s in specs}
+
+    def count_tokens(self, sample: Sample) -> int:
+        return int(_encode(self.lm, sample).shape[1])
+
+    def prompt(self, sample: Sample) -> Prompt:
+        ids = _encode(self.lm, sample)
+        span = needle_span(self.lm, sample)
+        return Prompt(prompt_key(ids), int(ids.shape[1]), None if span is None else span[0])
+
+    def config(self, method: str) -> str:
+        return self._configs[method]
+
+    def generate(self, sample: Sample, methods: Sequence[str], max_new_tokens: int) -> dict[str, Generation]:
+        ids = _encode(self.lm, sample)
+        todo = [self.specs[m] for m in methods]
+        # The layers every method runs in full are run once per prompt and shared.
+        lower = shared_lower(Engine(self.lm), ids, todo) if len(todo) > 1 else None
+        shared_s = lower.seconds if lower else 0.0
+        runs = [(s.method, {"lower": lower, **s.kwargs}) for s in todo]
+        span = needle_span(self.lm, sample)
+        out = {}
+        for spec, res in zip(todo, generate_batch(self.lm, ids, runs, max_new_tokens), strict=True):
+            out[spec.label] = Generation(
+                res.text,
+                ttft_s=round(res.ttft_s + shared_s, 4),
+                run_s=round(res.ttft_s + res.decode_s + shared_s / len(todo), 4),
+                decode_batch=res.decode_batch,
+                info=needle_rows(res.prefill.meta, span),
+            )
+        return out
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A RULER sample as token ids, for callers that prefill themselves (the tuner)."""
+
+    sample: Sample
+    input_ids: torch.Tensor  # (1, N)
+    depth: float  # relative token position of the first queried needle (0..1)
+    needle_pos: int  # its token position
+
+
+def prepare(lm: LoadedModel, task: str, length: int, count: int, seed: int, essay: list[str]) -> list[Prepared]:
+    """`count` samples of RULER `task` whose prompts fill `length` tokens less the answer budget."""
+    if length > lm.context_length:
+        raise RidgefillError(f"length {length} exceeds {lm.name}'s context of {lm.context_length}")
+    out = []
+    for s in RulerTask(task, tuple(essay)).samples(lambda s: int(_encode(lm, s).shape[1]), length, count, seed):
+        ids = _encode(lm, s)
+        pos = needle_span(lm, s)[0]
+        out.append(Prepared(s, ids, pos / ids.shape[1], pos))
+    return out

@@ -1,0 +1,179 @@
+"""The evaluation's task and adapter interfaces, spelled out by the dummy implementations.
+
+A new task or adapter should pass what the dummies pass here: samples fit the token budget and
+are reproducible, the run loop pairs every method with exact, resumes from its cache, and reruns
+only what a changed configuration invalidates.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ridgefill.cli import main
+from ridgefill.errors import RidgefillError
+from ridgefill.eval import ruler
+from ridgefill.eval.api import Adapter, Task
+from ridgefill.eval.dummy import FILLER, DummyAdapter, DummyTask
+from ridgefill.eval.runner import run_eval, summarise
+
+ESSAY = tuple(ruler.essay_sentences([f"Sentence {i} is about the river." for i in range(2000)]))
+
+
+def test_implementations_satisfy_the_interfaces():
+    from conftest import make_tiny
+    from ridgefill.eval.adapter import EngineAdapter
+    from ridgefill.eval.ppl import MethodSpec
+
+    for task in (DummyTask(), ruler.RulerTask("niah_single_2", ESSAY), ruler.RulerTask("vt")):
+        assert isinstance(task, Task)
+    assert isinstance(DummyAdapter(), Adapter)
+    assert isinstance(EngineAdapter(make_tiny("llama"), [MethodSpec("exact", "exact", {})]), Adapter)
+
+
+@pytest.mark.parametrize("task", [DummyTask(), ruler.RulerTask("niah_single_1"), ruler.RulerTask("vt")])
+def test_samples_fill_the_budget_and_are_seeded(task):
+    adapter = DummyAdapter()
+    budget = 600 - task.max_new_tokens
+    samples = task.samples(adapter.count_tokens, 600, 5, seed=3)
+    for s in samples:
+        n = adapter.count_tokens(s)
+        assert budget - 40 < n <= budget  # the largest haystack that fits
+        assert adapter.prompt(s).needle_pos is not None
+    assert task.samples(adapter.count_tokens, 600, 5, seed=3) == samples
+    assert task.samples(adapter.count_tokens, 600, 5, seed=4) != samples
+
+
+def test_dummy_task_is_maximal_and_scores_by_containment():
+    task, adapter = DummyTask(), DummyAdapter()
+    (s,) = task.samples(adapter.count_tokens, 300, 1, seed=0)
+    assert adapter.count_tokens(s) + len(FILLER.split()) > 300 - task.max_new_tokens
+    key = s.answers[0]
+    assert task.score(f" {key}.", s) == 100.0 and task.score(" 12.", s) == 0.0
+
+
+def test_run_pairs_every_method_with_exact(tmp_path):
+    adapter = DummyAdapter(tail=64)
+    recs = run_eval(adapter, [DummyTask()], [512], 30, tmp_path / "c.jsonl", tail=64)
+    assert len(recs) == 60 and len(adapter.generated) == 60
+    forgetful = [r for r in recs if r["method"] == "forgetful"]
+    # What the dummy defines: it answers only needles in the last 64 tokens; those are not "filled".
+    seen = [r["needle_pos"] >= r["prompt_tokens"] - 64 for r in forgetful]
+    assert [not s for s in seen] == [r["filled"] for r in forgetful]
+    assert 0 < sum(seen) < len(seen)
+    rows = {r["method"]: r for r in summarise(recs)["results"]}
+    want = 100 * sum(seen) / len(seen)
+    assert rows["exact"]["score"] == 100.0 and rows["exact"]["delta_vs_exact"] == 0.0
+    assert rows["forgetful"]["score"] == round(want, 2) and rows["forgetful"]["delta_vs_exact"] == round(want - 100, 2)
+    lo, hi = rows["forgetful"]["ci95"]
+    assert lo <= want - 100 <= hi < 0
+    assert rows["forgetful"]["filled_region"]["score"] == 0.0
+    assert rows["forgetful"]["ttft_speedup"] == pytest.approx(recs[0]["prompt_tokens"] / 64, rel=0.05)
+    assert rows["forgetful"]["by_depth"]["80-100"] > rows["forgetful"]["by_depth"]["0-20"] == 0.0
+    # Method diagnostics reach the records and the summary: scores split by where the needle's rows ran.
+    needle = rows["forgetful"]["needle_rows"]
+    assert needle["full"] == {"prompts": sum(seen), "score": 100.0, "exact_score": 100.0}
+    assert needle["none"] == {"prompts": len(seen) - sum(seen), "score": 0.0, "exact_score": 100.0}
+    assert needle["part"]["prompts"] == 0 and rows["exact"]["needle_rows"] is None
+
+
+def test_run_resumes_and_reruns_only_changed_configurations(tmp_path):
+    cache = tmp_path / "c.jsonl"
+    first = run_eval(DummyAdapter(), [DummyTask()], [256], 4, cache, tail=64)
+    again = DummyAdapter()
+    assert run_eval(again, [DummyTask()], [256], 4, cache, tail=64) == first and again.generated == []
+    # An interrupted run: the last two records never reached the cache.
+    lines = cache.read_text().splitlines()
+    cache.write_text("\n".join(lines[:-2]) + "\n")
+    resumed = DummyAdapter()
+    assert run_eval(resumed, [DummyTask()], [256], 4, cache, tail=64) == first
+    assert resumed.generated == [(3, "exact"), (3, "forgetful")]
+    # Another tail is another configuration of `forgetful`: it reruns, exact is reused.
+    other = DummyAdapter(tail=128)
+    run_eval(other, [DummyTask()], [256], 4, cache, tail=128)
+    assert {m for _, m in other.generated} == {"forgetful"} and len(other.generated) == 4
+    assert len(cache.read_text().splitlines()) == 12
+
+
+def test_ruler_tasks_run_behind_any_adapter(tmp_path):
+    tasks = [ruler.RulerTask(t, ESSAY) for t in ("niah_single_1", "niah_multikey_1", "vt")]
+    recs = run_eval(DummyAdapter(), tasks, [1024], 3, tmp_path / "c.jsonl", tail=64)
+    summary = summarise(recs)
+    assert {(r["method"], r["task"]): r["score"] for r in summary["results"] if r["method"] == "exact"} == {
+        ("exact", "niah_single_1"): 100.0,
+        ("exact", "niah_multikey_1"): 100.0,
+        ("exact", "vt"): 100.0,
+    }
+    pooled = {r["method"]: r for r in summary["niah_pooled"]}
+    assert pooled["forgetful"]["samples"] == 6  # vt is not a needle task
+
+
+def test_bad_runs_are_refused(tmp_path):
+    with pytest.raises(RidgefillError, match="exceeds dummy's context of 4096"):
+        run_eval(DummyAdapter(), [DummyTask()], [8192], 1, tmp_path / "c.jsonl")
+    flipped = DummyAdapter()
+    flipped.methods = ["forgetful", "exact"]
+    with pytest.raises(RidgefillError, match="first method must be exact"):
+        run_eval(flipped, [DummyTask()], [256], 1, tmp_path / "c.jsonl")
+    with pytest.raises(RidgefillError, match="unknown task 'niah_single_9'; choose from niah_single_1"):
+        ruler.RulerTask("niah_single_9")
+    with pytest.raises(RidgefillError, match="needs essay sentences"):
+        ruler.RulerTask("niah_single_2")
+
+
+@pytest.mark.slow
+def test_a_new_task_runs_on_the_engine(smollm2, tmp_path):
+    from ridgefill.eval.adapter import EngineAdapter
+    from ridgefill.eval.ppl import MethodSpec
+    from ridgefill.generation import encode_prompt
+    from ridgefill.methods import FillSettings
+
+    settings = FillSettings(split=15, tail=32, query_rows=32, query_window=16)
+    ident = MethodSpec("identity", "identity", {"settings": settings})
+    adapter = EngineAdapter(smollm2, [MethodSpec("exact", "exact", {}), ident])
+    task = DummyTask()
+    samples = task.samples(adapter.count_tokens, 256, 2, seed=42)
+    recs = run_eval(adapter, [task], [256], 2, tmp_path / "c.jsonl", tail=32)
+    assert {r["prompt"] for r in recs} == {adapter.prompt(s).key for s in samples} and len(recs) == 4
+    for s in samples:
+        ids = encode_prompt(smollm2, s.text, answer_prefix=s.answer_prefix)[0].tolist()
+        p = adapter.prompt(s)
+        assert p.tokens == len(ids) <= 256 - task.max_new_tokens
+        assert "pass key is" in smollm2.tokenizer.decode(ids[p.needle_pos : p.needle_pos + 8])
+    assert all(r["prediction"] and r["ttft_s"] > 0 for r in recs)
+    # The fill records say whether the needle's rows ran fully and how the row score ranked it.
+    for r in recs:
+        if r["method"] == "exact":
+            assert "needle_full" not in r
+        else:
+            assert 0 <= r["needle_full"] <= 1 and r["needle_rank"] >= 1
+
+
+def test_needle_rows_reads_the_fill_plan():
+    from ridgefill.eval.adapter import needle_rows
+
+    scores = torch.tensor([0.0, 0.9, 0.1, 0.5, 0.7, 0.2, 0.3, 0.0])
+    cand = torch.tensor([False, True, True, True, True, True, True, False])
+    meta = {"full_positions": torch.tensor([0, 3, 4, 7]), "row_scores": scores, "score_candidates": cand}
+    assert needle_rows(meta, (3, 6)) == {"needle_full": round(2 / 3, 3), "needle_rank": 2}  # 0.9 beats 0.7
+    assert needle_rows({**meta, "ran_exact": True}, (3, 6)) == {}
+    assert needle_rows({"full_positions": meta["full_positions"]}, (0, 1)) == {"needle_full": 1.0}
+    assert needle_rows(meta, None) == {}
+
+
+def test_eval_cli_refuses_bad_input(capsys, tmp_path, smollm2_maps):
+    code = main(["eval", "--tasks", "niah_single_1,niah_nope", "--lengths", "512"])
+    assert code == 2 and "unknown task(s) niah_nope" in capsys.readouterr().err
+    code = main(["eval", "--tasks", "niah_single_1", "--lengths", "9000"])
+    assert code == 2 and "length 9000 exceeds" in capsys.readouterr().err
+    # Maps whose header names other weights are refused before any sample runs.
+    from ridgefill.fit.maps import load_maps, maps_filename, save_maps
+
+    name = maps_filename("smollm2-135m", "ridge", 15)
+    maps = load_maps(smollm2_maps / name)
+    maps.header["model"] = {**maps.header["model"], "weights_sha256": "0" * 24}
+    save_maps(maps, tmp_path / "wrong" / name)
+    argv = ["eval", "--tasks", "niah_single_1", "--lengths", "512", "--methods", "ridge", "--split", "15"]
+    code = main([*argv, "--maps", str(tmp_path / "wrong"), "--out", str(tmp_path / "e.json")])
+    assert code == 2 and "fitted on another model" in capsys.readouterr().err
+    assert not (tmp_path / "e.json").exists()
