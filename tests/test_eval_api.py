@@ -7,6 +7,8 @@ only what a changed configuration invalidates.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -177,3 +179,31 @@ def test_eval_cli_refuses_bad_input(capsys, tmp_path, smollm2_maps):
     code = main([*argv, "--maps", str(tmp_path / "wrong"), "--out", str(tmp_path / "e.json")])
     assert code == 2 and "fitted on another model" in capsys.readouterr().err
     assert not (tmp_path / "e.json").exists()
+
+
+def test_needles_agrees_with_the_eval_records(tmp_path, capsys):
+    from ridgefill.corpus import DEFAULT_CORPUS_DIR
+
+    if not DEFAULT_CORPUS_DIR.is_dir():
+        pytest.skip("needs Debian's python3.11-doc (`make` installs it)")
+    method = "identity:query_rows=64:query_window=16:tail=64"
+    common = ["--tasks", "niah_single_2", "--samples", "2", "--split", "15", "--methods", method]
+    assert main(["eval", "--lengths", "512", *common, "--out", str(tmp_path / "e.json")]) == 0
+    cache = tmp_path / "e.samples.jsonl"
+    assert main(["needles", "--length", "512", *common, "--scores", str(cache), "--out", str(tmp_path / "n.json")]) == 0
+    assert "| identity:query_rows=64:query_window=16:tail=64 | pooled | 2 |" in capsys.readouterr().out
+    evals = {(r["prompt"], r["method"]): r for r in map(json.loads, cache.read_text().splitlines())}
+    got = json.loads((tmp_path / "n.json").read_text())
+    for r in got["records"]:  # the prefill-only path sees what the eval saw, and joins its scores
+        e = evals[(r["prompt"], r["method"])]
+        assert r["score"] == e["score"]
+        if r["method"] != "exact":
+            assert (r["needle_full"], r["needle_rank"]) == (e["needle_full"], e["needle_rank"])
+    assert len(got["records"]) == 4
+
+
+def test_needles_refuses_bad_input(capsys, tmp_path):
+    assert main(["needles", "--tasks", "vt"]) == 2
+    assert "not needle task(s): vt" in capsys.readouterr().err
+    assert main(["needles", "--samples", "1", "--scores", str(tmp_path / "none.jsonl")]) == 2
+    assert "eval cache not found" in capsys.readouterr().err

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ridgefill.cli.basic import cmd_demo, cmd_generate, cmd_models
 from ridgefill.cli.common import fill_args, model_args
-from ridgefill.cli.measure import cmd_ablation, cmd_bench, cmd_eval, cmd_fill_error, cmd_fit, cmd_ppl
+from ridgefill.cli.measure import cmd_ablation, cmd_bench, cmd_eval, cmd_fill_error, cmd_fit, cmd_needles, cmd_ppl
 from ridgefill.cli.serve import cmd_loadtest, cmd_serve
 from ridgefill.cli.tune import cmd_tune, tune_args
 from ridgefill.errors import RidgefillError
@@ -54,6 +54,10 @@ EXAMPLES = {
     "ablation": """examples:
   ridgefill ablation results/eval_smollm2-135m_4k.json results/eval_query_rows.json \\
       --out results/ablation_smollm2-135m_4k.json""",
+    "needles": """examples:
+  ridgefill needles --methods ridge:query_rows=512 --split 15 --samples 10
+  ridgefill needles --methods ridge:query_rows=512 --split 15 --samples 50 \\
+      --scores results/eval_smollm2-135m_4k.samples.jsonl --out results/needles_smollm2-135m_4k_q512.json""",
     "tune": """examples:
   ridgefill tune --model smollm2-135m --budget-niah 2 --budget-ppl 5
   ridgefill tune --model qwen2.5-0.5b --splits 8,10,12 --out results/tune_qwen.json --plot results/tune_qwen.png
@@ -180,6 +184,24 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("files", nargs="+", type=Path, help="`ridgefill eval --out` JSON files")
     a.add_argument("--out", type=Path, default=None, help="JSON output (a .md table is written beside it)")
     a.set_defaults(func=cmd_ablation)
+
+    d = sub.add_parser(
+        "needles",
+        help="did a method run the needle's rows? (no decode)",
+        epilog=EXAMPLES["needles"],
+        formatter_class=fmt,
+    )
+    model_args(d)
+    d.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_single_3,niah_multikey_1")
+    d.add_argument("--length", type=int, default=4096)
+    d.add_argument("--samples", type=int, default=50, help="samples per task (eval's prompts with the same seed)")
+    d.add_argument("--methods", default="ridge:query_rows=512", help="variants as name:key=value")
+    fill_args(d)
+    d.add_argument("--seed", type=int, default=42)
+    d.add_argument("--corpus", default=None, help="essay haystack source (evaluation split is used)")
+    d.add_argument("--scores", type=Path, default=None, help="an eval per-sample JSONL cache: join its scores")
+    d.add_argument("--out", type=Path, default=None, help="JSON output")
+    d.set_defaults(func=cmd_needles)
 
     u = sub.add_parser(
         "tune", help="fastest configuration within NIAH and PPL budgets", epilog=EXAMPLES["tune"], formatter_class=fmt

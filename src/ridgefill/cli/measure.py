@@ -1,4 +1,4 @@
-"""Subcommands that measure and write results: fit, bench, ppl, fill-error, eval (and the
+"""Subcommands that measure and write results: fit, bench, ppl, fill-error, eval, needles (and the
 ablation table that gathers eval results)."""
 
 from __future__ import annotations
@@ -227,4 +227,36 @@ def cmd_ablation(args: argparse.Namespace) -> int:
         md = args.out.with_suffix(".md")
         md.write_text(f"`{command_line(args.argv)}`\n\n{text}\n")
         print(f"written to {args.out} and {md}")
+    return 0
+
+
+def cmd_needles(args: argparse.Namespace) -> int:
+    from ridgefill.corpus import load_corpus
+    from ridgefill.eval import needles
+    from ridgefill.eval.ruler import NIAH_TASKS, essay_sentences
+    from ridgefill.models import load_model
+    from ridgefill.results import write_json
+
+    tasks = names(args.tasks)
+    bad = [t for t in tasks if t not in NIAH_TASKS]
+    if bad:
+        raise RidgefillError(f"not needle task(s): {', '.join(bad)}; choose from {', '.join(NIAH_TASKS)}")
+    if args.scores is not None and not args.scores.is_file():
+        raise RidgefillError(f"eval cache not found: {args.scores}")
+    lm = load_model(args.model, dtype=args.dtype)
+    if args.length > lm.context_length:
+        raise RidgefillError(f"length {args.length} exceeds {lm.name}'s context of {lm.context_length}")
+    split = default_split(lm, args.split)
+    specs = [method_spec(lm, m, split, args) for m in names(args.methods) if m != "exact"]
+    if not specs:
+        raise RidgefillError("name at least one method that skips rows (exact runs the needle in full)")
+    essay = essay_sentences([d.text for d in load_corpus(args.corpus).part("eval")])
+    records = needles.needle_records(lm, specs, list(tasks), args.length, args.samples, essay, args.seed, args.scores)
+    summary = needles.summarise_needles(records)
+    print(needles.markdown(summary))
+    if args.out:
+        write_json(
+            args.out, {"model": lm.name, "length": args.length, "summary": summary, "records": records}, args.argv
+        )
+        print(f"written to {args.out}")
     return 0

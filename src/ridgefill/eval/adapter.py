@@ -70,12 +70,12 @@ def needle_span(lm: LoadedModel, sample: Sample) -> tuple[int, int] | None:
 
 
 def needle_rows(meta: dict, span: tuple[int, int] | None) -> dict:
-    """Did a fill method run the needle's rows fully, and how did its row score rank the needle?
+    """Did a skipping method run the needle's rows fully, and how did its row score rank the needle?
 
-    `needle_full`: the fraction of the needle's tokens that ran every layer (None when the method
-    ran every row: exact, or a prompt too short to fill). `needle_rank`: 1 + the candidate rows
-    scored above the needle's best token by the split-layer query score (None without the score).
-    Issue 5's question "is the needle scored?", answered on every eval record.
+    `needle_full`: the fraction of the needle's tokens that ran every layer (fill: full rows;
+    tokengate: kept rows); absent when the method ran every row (exact, or a prompt too short to
+    skip). `needle_rank`: 1 + the candidate rows the split-layer query score put above the needle's
+    best token; absent without that score. Issue 5's "is the needle scored?", on every eval record.
     """
     full = meta.get("full_positions")
     if span is None or full is None or meta.get("ran_exact"):

@@ -15,7 +15,7 @@ import re
 import string
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from importlib.resources import files
 
@@ -229,7 +229,7 @@ class RulerTask:
     binary search over the haystack size, scored with `string_match_all`."""
 
     name: str
-    essay: tuple[str, ...] = ()  # essay sentences (niah tasks with an essay haystack)
+    essay: tuple[str, ...] = field(default=(), repr=False)  # essay sentences (niah tasks with an essay haystack)
 
     def __post_init__(self) -> None:
         if self.name not in TASKS:
@@ -250,7 +250,9 @@ class RulerTask:
     def samples(self, count_tokens: Callable[[Sample], int], length: int, count: int, seed: int) -> list[Sample]:
         budget = length - self.max_new_tokens
         essay_task = self.name in NIAH_TASKS and NIAH_TASKS[self.name].haystack == "essay"
-        hi = len(self.essay) if essay_task else length
+        # Every unit (sentence, line) is at least one token, so no more than `length` of them fit:
+        # the search never tokenises a prompt longer than that (the answer is the same).
+        hi = min(len(self.essay), length) if essay_task else length
         out, size = [], None
         for i in range(count):
             state = seed * 1_000_003 + TASKS.index(self.name) * 10_007 + i

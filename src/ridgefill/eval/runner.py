@@ -112,7 +112,7 @@ def _paired(rows: dict[tuple, dict], exact: dict[tuple, dict]) -> dict:
         "exact_score": round(sum(exact[k]["score"] for k in rows if k in exact) / len(paired), 2) if paired else None,
         # Paired per prompt; a reused cache may pair different processes (bench is the clean figure).
         "ttft_speedup": round(speed[len(speed) // 2], 3) if speed else None,
-        "needle_rows": _needle_rows(rows, exact),
+        "needle_rows": needle_breakdown(rows, exact),
     }
 
 
@@ -120,10 +120,10 @@ def _mean(xs: list[float]) -> float | None:
     return round(sum(xs) / len(xs), 2) if xs else None
 
 
-def _needle_rows(rows: dict[tuple, dict], exact: dict[tuple, dict]) -> dict | None:
-    """Scores split by whether the fill ran the needle's rows fully (all, part or none of its
-    tokens), beside exact's on the same prompts, and the median rank of the needle under the row
-    score (records that carry `needle_full` / `needle_rank`; None without them)."""
+def needle_breakdown(rows: dict[tuple, dict], exact: dict[tuple, dict]) -> dict | None:
+    """Scores split by whether a method ran the needle's rows fully (all, part or none of its
+    tokens), beside exact's on the same prompts, and the needle's rank under the row score (median,
+    90th percentile), from records that carry `needle_full` / `needle_rank`; None without them."""
     known = [k for k, r in rows.items() if r.get("needle_full") is not None]
     if not known:
         return None
@@ -133,11 +133,12 @@ def _needle_rows(rows: dict[tuple, dict], exact: dict[tuple, dict]) -> dict | No
         ks = [k for k in known if test(rows[k]["needle_full"])]
         out[kind] = {
             "prompts": len(ks),
-            "score": _mean([rows[k]["score"] for k in ks]),
+            "score": _mean([rows[k]["score"] for k in ks if rows[k].get("score") is not None]),
             "exact_score": _mean([exact[k]["score"] for k in ks if k in exact]),
         }
     ranks = sorted(rows[k]["needle_rank"] for k in known if rows[k].get("needle_rank") is not None)
     out["rank_median"] = ranks[len(ranks) // 2] if ranks else None
+    out["rank_p90"] = ranks[min(len(ranks) - 1, int(0.9 * len(ranks)))] if ranks else None
     return out
 
 

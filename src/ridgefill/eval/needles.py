@@ -1,0 +1,110 @@
+"""`ridgefill needles`: does a skipping method run the needle's rows? (issue 5: "is the needle scored?")
+
+What it is: RULER needle prompts, each prefilled (no decode) under the chosen methods; per prompt
+and method the share of the needle's tokens that ran every layer and the needle's rank under the
+split-layer row score (`adapter.needle_rows`). Given an eval cache, each record is joined with that
+method's and exact's scores on the same prompt (same configuration key), so the misses split by
+cause: the needle not selected, partly selected, or selected and still missed. What it is not:
+an evaluation (nothing is decoded; scores come from the cache when given).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from ridgefill.engine import Engine
+from ridgefill.eval.adapter import config_key, needle_rows, needle_span, prepare, prompt_key
+from ridgefill.eval.ppl import MethodSpec, shared_lower
+from ridgefill.eval.runner import needle_breakdown
+from ridgefill.methods import run_prefill
+from ridgefill.models.loading import LoadedModel
+
+
+def _scored(path: Path | None) -> dict[tuple, dict]:
+    if path is None:
+        return {}
+    out = {}
+    for line in Path(path).read_text().splitlines():
+        r = json.loads(line)
+        out[(r["prompt"], r["method"], r.get("config"))] = r
+    return out
+
+
+def needle_records(
+    lm: LoadedModel,
+    specs: list[MethodSpec],
+    tasks: list[str],
+    length: int,
+    samples: int,
+    essay: list[str],
+    seed: int = 42,
+    scores: Path | None = None,
+) -> list[dict]:
+    """One record per (prompt, method): `needle_full`, `needle_rank` and, from the `scores` eval
+    cache, `score` (None when the cache holds no record of that prompt and configuration). Exact's
+    cached scores come as records of method "exact"."""
+    engine, cached = Engine(lm), _scored(scores)
+    configs = {s.label: config_key(lm, s) for s in [MethodSpec("exact", "exact", {}), *specs]}
+    out = []
+    bar = tqdm(total=len(tasks) * samples, desc=f"needles {lm.name}", unit="prompt")
+    for task in tasks:
+        for p in prepare(lm, task, length, samples, seed, essay):
+            key = prompt_key(p.input_ids)
+            base = {"task": task, "length": length, "index": p.sample.index, "prompt": key, "depth": round(p.depth, 4)}
+            ex = cached.get((key, "exact", configs["exact"]))
+            if ex is not None:
+                out.append({**base, "method": "exact", "score": ex["score"]})
+            span = needle_span(lm, p.sample)
+            lower = shared_lower(engine, p.input_ids, specs)
+            for s in specs:
+                res = run_prefill(engine, p.input_ids, s.method, lower=lower, **s.kwargs)
+                hit = cached.get((key, s.label, configs[s.label]))
+                rec = {**base, "method": s.label, **needle_rows(res.meta, span)}
+                out.append({**rec, "score": None if hit is None else hit["score"]})
+            bar.update()
+    bar.close()
+    return out
+
+
+def summarise_needles(records: list[dict]) -> list[dict]:
+    """Per method, per task and pooled over tasks: where the needle's rows ran, its rank, and
+    (with scores) each case's score beside exact's on the same prompts."""
+    exact = {(r["task"], r["index"], r["prompt"]): r for r in records if r["method"] == "exact"}
+    methods = list(dict.fromkeys(r["method"] for r in records if r["method"] != "exact"))
+    tasks = list(dict.fromkeys(r["task"] for r in records))
+    out = []
+    for m in methods:
+        for task in [*tasks, "pooled"]:
+            rows = {
+                (r["task"], r["index"], r["prompt"]): r
+                for r in records
+                if r["method"] == m and task in (r["task"], "pooled")
+            }
+            out.append({"method": m, "task": task, "prompts": len(rows), **(needle_breakdown(rows, exact) or {})})
+    return out
+
+
+def markdown(summary: list[dict]) -> str:
+    lines = [
+        "| method | task | prompts | needle ran fully | partly | not at all | median rank | 90th pct rank |"
+        " score if fully (exact) | partly (exact) | not at all (exact) |",
+        "|" + "---|" * 11,
+    ]
+
+    def cell(c: dict) -> str:
+        if not c["prompts"] or c["score"] is None:
+            return "-"
+        ex = "-" if c["exact_score"] is None else f"{c['exact_score']:.1f}"
+        return f"{c['score']:.1f} ({ex})"
+
+    for r in summary:
+        if "full" not in r:
+            continue
+        counts = " | ".join(str(r[k]["prompts"]) for k in ("full", "part", "none"))
+        scores = " | ".join(cell(r[k]) for k in ("full", "part", "none"))
+        rank = f"{r['rank_median']} | {r['rank_p90']}" if r["rank_median"] is not None else "- | -"
+        lines.append(f"| {r['method']} | {r['task']} | {r['prompts']} | {counts} | {rank} | {scores} |")
+    return "\n".join(lines)
