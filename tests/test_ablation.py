@@ -58,7 +58,7 @@ def test_rows_carry_settings_paired_figures_and_command(tmp_path):
     with pytest.raises(RidgefillError, match="bad value in 'drop=x'"):
         ablation.label_settings("ridge:drop=x", {})
     table = ablation.markdown(rows)
-    assert "| tiny | plain fill | ridge | 15 | 256 | 4 | 0 | 0 | 1 | 4 | 25.0 | 75.0 | -50.0 [" in table
+    assert "| tiny | plain fill | ridge | 15 | 256 | 4 | 0 | 32 | 0 | 1 | 4 | 25.0 | 75.0 | -50.0 [" in table
 
 
 def test_old_files_pool_from_their_cache_only_when_it_reproduces_them(tmp_path):
