@@ -112,26 +112,32 @@ class EngineAdapter:
         self.lm, self.specs = lm, {s.label: s for s in specs}
         self.name, self.context_length, self.methods = lm.name, lm.context_length, labels
         self._configs = {s.label: config_key(lm, s) for s in specs}
+        self._last: tuple[Sample, torch.Tensor, tuple[int, int] | None] | None = None
+
+    def _tokenized(self, sample: Sample) -> tuple[torch.Tensor, tuple[int, int] | None]:
+        """Token ids and needle span of `sample`; the last sample's are kept, since the run loop
+        asks `prompt` and then `generate` for the same one."""
+        if self._last is None or self._last[0] is not sample:
+            self._last = (sample, _encode(self.lm, sample), needle_span(self.lm, sample))
+        return self._last[1], self._last[2]
 
     def count_tokens(self, sample: Sample) -> int:
         return int(_encode(self.lm, sample).shape[1])
 
     def prompt(self, sample: Sample) -> Prompt:
-        ids = _encode(self.lm, sample)
-        span = needle_span(self.lm, sample)
+        ids, span = self._tokenized(sample)
         return Prompt(prompt_key(ids), int(ids.shape[1]), None if span is None else span[0])
 
     def config(self, method: str) -> str:
         return self._configs[method]
 
     def generate(self, sample: Sample, methods: Sequence[str], max_new_tokens: int) -> dict[str, Generation]:
-        ids = _encode(self.lm, sample)
+        ids, span = self._tokenized(sample)
         todo = [self.specs[m] for m in methods]
         # The layers every method runs in full are run once per prompt and shared.
         lower = shared_lower(Engine(self.lm), ids, todo) if len(todo) > 1 else None
         shared_s = lower.seconds if lower else 0.0
         runs = [(s.method, {"lower": lower, **s.kwargs}) for s in todo]
-        span = needle_span(self.lm, sample)
         out = {}
         for spec, res in zip(todo, generate_batch(self.lm, ids, runs, max_new_tokens), strict=True):
             out[spec.label] = Generation(
@@ -152,6 +158,7 @@ class Prepared:
     input_ids: torch.Tensor  # (1, N)
     depth: float  # relative token position of the first queried needle (0..1)
     needle_pos: int  # its token position
+    needle_end: int  # one past its last token
 
 
 def prepare(lm: LoadedModel, task: str, length: int, count: int, seed: int, essay: list[str]) -> list[Prepared]:
@@ -161,6 +168,6 @@ def prepare(lm: LoadedModel, task: str, length: int, count: int, seed: int, essa
     out = []
     for s in RulerTask(task, tuple(essay)).samples(lambda s: int(_encode(lm, s).shape[1]), length, count, seed):
         ids = _encode(lm, s)
-        pos = needle_span(lm, s)[0]
-        out.append(Prepared(s, ids, pos / ids.shape[1], pos))
+        pos, end = needle_span(lm, s)
+        out.append(Prepared(s, ids, pos / ids.shape[1], pos, end))
     return out

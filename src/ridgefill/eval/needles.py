@@ -16,7 +16,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from ridgefill.engine import Engine
-from ridgefill.eval.adapter import config_key, needle_rows, needle_span, prepare, prompt_key
+from ridgefill.eval.adapter import config_key, needle_rows, prepare, prompt_key
 from ridgefill.eval.ppl import MethodSpec, shared_lower
 from ridgefill.eval.runner import needle_breakdown
 from ridgefill.methods import run_prefill
@@ -57,7 +57,7 @@ def needle_records(
             ex = cached.get((key, "exact", configs["exact"]))
             if ex is not None:
                 out.append({**base, "method": "exact", "score": ex["score"]})
-            span = needle_span(lm, p.sample)
+            span = (p.needle_pos, p.needle_end)
             lower = shared_lower(engine, p.input_ids, specs)
             for s in specs:
                 res = run_prefill(engine, p.input_ids, s.method, lower=lower, **s.kwargs)

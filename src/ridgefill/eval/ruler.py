@@ -14,7 +14,7 @@ import random
 import re
 import string
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from importlib.resources import files
@@ -107,7 +107,7 @@ def _singular(text: str, type_v: str) -> str:
     )
 
 
-def niah_sample(task: str, size: int, rng: random.Random, essay: list[str], index: int = 0) -> Sample:
+def niah_sample(task: str, size: int, rng: random.Random, essay: Sequence[str], index: int = 0) -> Sample:
     """A NIAH sample whose haystack has `size` units (noise lines, essay sentences or needles)."""
     spec = NIAH_TASKS[task]
     keys, values, needles = [], [], []
@@ -117,7 +117,7 @@ def niah_sample(task: str, size: int, rng: random.Random, essay: list[str], inde
         needles += [NEEDLE.format(type_v=spec.type_v, key=keys[-1], value=v) for v in values[-1]]
     rng.shuffle(needles)
     if spec.haystack == "essay":
-        sents = essay[:size]
+        sents = list(essay[:size])
         cuts = sorted(int(len(sents) * d / 100) for d in rng.sample(DEPTHS, len(needles)))
         parts, last = [], 0
         for cut, needle in zip(cuts, needles, strict=True):
@@ -245,7 +245,7 @@ class RulerTask:
         rng = random.Random(state)
         if self.name == "vt":
             return vt_sample(size, rng, example_size=20, index=index)
-        return niah_sample(self.name, size, rng, list(self.essay), index=index)
+        return niah_sample(self.name, size, rng, self.essay, index=index)
 
     def samples(self, count_tokens: Callable[[Sample], int], length: int, count: int, seed: int) -> list[Sample]:
         budget = length - self.max_new_tokens

@@ -177,7 +177,7 @@ def summarise(records: list[dict]) -> dict:
 
 def _filled_score(rows) -> dict:
     filled = [r["score"] for r in rows if r.get("filled")]
-    return {"samples": len(filled), "score": round(sum(filled) / len(filled), 2) if filled else None}
+    return {"samples": len(filled), "score": _mean(filled)}
 
 
 def recovered_over_identity(results: list[dict], method: str = "ridge") -> list[dict]:
