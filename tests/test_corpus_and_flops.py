@@ -47,3 +47,28 @@ def test_flop_model(tiny):
     for method in ("identity", "ridge", "kva"):
         assert fill_macs(parts, n, method, 1, full) < exact_macs(parts, n)
     assert fill_macs(parts, n, "kva", 1, full) < fill_macs(parts, n, "ridge", 1, full)
+
+
+def test_bench_warms_up_on_a_shorter_prompt_and_times_the_full_one(monkeypatch):
+    import torch
+
+    from conftest import make_tiny
+    from ridgefill.bench import ttft
+    from ridgefill.eval.ppl import MethodSpec
+    from ridgefill.methods import FillSettings
+
+    seen = []
+    real = ttft.run_prefill
+
+    def spy(engine, ids, method, **kw):
+        seen.append((method, ids.shape[1]))
+        return real(engine, ids, method, **kw)
+
+    monkeypatch.setattr(ttft, "run_prefill", spy)
+    lm = make_tiny("llama")
+    fill = {"settings": FillSettings(split=1, sink=2, tail=4)}
+    specs = [MethodSpec("exact", "exact", {}), MethodSpec("identity", "identity", fill)]
+    prompts = {48: torch.randint(0, 100, (48,)).tolist()}
+    rows = ttft.run_bench(lm, ttft.BenchConfig((48,), repeats=2, warmup=1, warmup_length=16), prompts, specs)
+    assert seen == [("exact", 16), ("identity", 16), ("identity", 48), ("exact", 48), ("exact", 48), ("identity", 48)]
+    assert [r["repeats"] for r in rows] == [2, 2] and rows[0]["speedup"] == 1.0

@@ -196,6 +196,48 @@ def test_pick_spans_centres_windows_on_peaks():
     assert not pick_spans(scores, torch.zeros(64, dtype=torch.bool), 16, 8).any()
 
 
+def test_pick_spans_cover_the_sentence_around_a_peak():
+    from ridgefill.methods.select import pick_spans, sentence_around
+
+    ends = torch.zeros(64, dtype=torch.bool)
+    ends[[9, 30, 40]] = True  # sentences [10, 31), [31, 41), [41, 64)
+    assert sentence_around(ends, 20, 32) == (10, 31)
+    assert sentence_around(ends, 30, 32) == (10, 31)  # the end token belongs to its sentence
+    assert sentence_around(ends, 20, 4) == (16, 25)  # no end within reach: reach either side
+    assert sentence_around(ends, 50, 32) == (41, 64)
+    scores = torch.zeros(64)
+    scores[20], scores[45] = 3.0, 2.0
+    cand = torch.ones(64, dtype=torch.bool)
+    m = pick_spans(scores, cand, rows=16, window=4, ends=ends, reach=32)
+    assert m.nonzero().squeeze(1).tolist() == list(range(10, 31))  # one sentence reached the budget
+    m = pick_spans(scores, cand, rows=22, window=4, ends=ends, reach=32)
+    assert m.nonzero().squeeze(1).tolist() == list(range(10, 31)) + list(range(41, 64))
+    # reach 0 is the plain windows
+    assert torch.equal(pick_spans(scores, cand, 8, 4, ends, 0), pick_spans(scores, cand, 8, 4))
+
+
+def test_sentence_ends_read_the_tokenizer(smollm2):
+    from ridgefill.methods.select import sentence_ends
+
+    eng = Engine(smollm2)
+    text = "Grass is green. The sky is blue\nand so on. " * 12 + "One of the special magic numbers is: 12345. Fine."
+    ids = smollm2.tokenizer(text, return_tensors="pt").input_ids
+    ends = sentence_ends(eng, ids)
+    texts = [smollm2.tokenizer.decode([int(i)]) for i in ids[0]]
+    assert ends.tolist() == [("." in t or "\n" in t) for t in texts] and int(ends.sum()) == 3 * 12 + 2
+    s = FillSettings(split=15, sink=2, tail=4, outlier_factor=None, query_rows=4, query_window=2, query_sentence=32)
+    res = run_prefill(eng, ids, "identity", settings=s)
+    full = res.meta["full_positions"][2:]  # past the sinks; the tail ends the prompt's last sentence
+    assert len(full) > 4 + 2  # more than the tail and one window
+    # the chosen rows are whole sentences: each run of full rows starts after an end and stops at one
+    runs = full.tolist()
+    gaps = [(a, b) for a, b in zip(runs[:-1], runs[1:], strict=True) if b != a + 1]
+    starts, stops = [runs[0]] + [b for _, b in gaps], [a for a, _ in gaps] + [runs[-1]]
+    assert all(bool(ends[p - 1]) for p in starts if p > 2) and all(bool(ends[p]) for p in stops)
+    with pytest.raises(RidgefillError, match="query_sentence"):
+        FillSettings(split=1, query_sentence=-1).check(3)
+
+
 def test_query_rows_covering_the_prompt_equal_exact(tiny):
     ids = _ids(48)
     eng = Engine(tiny)

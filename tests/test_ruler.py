@@ -140,16 +140,19 @@ def test_summary_pairs_ttft_per_prompt():
 
 def test_cache_key_names_what_a_record_was_computed_with():
     from conftest import make_tiny
-    from ridgefill.eval.adapter import config_key
+    from ridgefill.eval.adapter import _key_settings, config_key
     from ridgefill.methods import FillSettings
 
     lm = make_tiny("llama")
 
-    def key(model, split=1, tail=8):
-        return config_key(model, MethodSpec("m", "identity", {"settings": FillSettings(split=split, tail=tail)}))
+    def key(model, split=1, tail=8, **kw):
+        return config_key(model, MethodSpec("m", "identity", {"settings": FillSettings(split=split, tail=tail, **kw)}))
 
     assert key(lm) == key(lm)
     assert len({key(lm), key(lm, split=2), key(lm, tail=16), key(make_tiny("llama", dtype=torch.bfloat16))}) == 4
+    # A field added after the committed caches is left out of the key at its default only.
+    assert key(lm, query_sentence=16) != key(lm)
+    assert "query_sentence" not in _key_settings(FillSettings())
     assert key(make_tiny("llama", seed=1)) != key(lm)  # other weights
 
 

@@ -25,6 +25,10 @@ def test_grid_covers_splits_tails_and_knobs():
     assert {c.settings.sparse_keep for c in cands} == {1.0, 0.5}
     assert {c.settings.query_rows for c in cands} == {0, 512}
     assert len(cands) == 3 * (1 + 2 * 1 * 3 * 2)
+    assert not any(c.settings.query_sentence for c in cands)
+    sent = grid(Space(splits=(10,), query_rows=(0, 512), query_sentence=64), 30)
+    assert {(c.settings.query_rows > 0, c.settings.query_sentence) for c in sent} == {(False, 0), (True, 64)}
+    assert "ridge@10:tail=256:query_rows=512:query_sentence=64" in [c.label for c in sent]
 
 
 def test_grid_and_config_refuse_bad_values():

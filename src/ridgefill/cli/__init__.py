@@ -130,7 +130,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     fill_args(b)
     b.add_argument("--repeats", type=int, default=3)
-    b.add_argument("--warmup", type=int, default=1, help="untimed runs of every method first (0 for very long prompts)")
+    b.add_argument("--warmup", type=int, default=1, help="untimed runs of every method first, at each length")
+    b.add_argument(
+        "--warmup-length", type=int, default=None, help="warm-ups use the prompt's first N tokens (cheap at 32K)"
+    )
     b.add_argument("--corpus", default=None, help="text for the prompts (evaluation split is used)")
     b.add_argument("--out", type=Path, default=None, help="write JSON results here")
     b.set_defaults(func=cmd_bench)

@@ -42,13 +42,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     lm = load_model(args.model, dtype=args.dtype)
     split = default_split(lm, args.split)
-    cfg = BenchConfig(ints(args.lengths), args.repeats, args.warmup)
+    cfg = BenchConfig(ints(args.lengths), args.repeats, args.warmup, args.warmup_length)
     specs = [method_spec(lm, m, split, args) for m in names(args.methods)]
     prompts = {n: eval_tokens(lm, args.corpus, n, 1)[0] for n in cfg.lengths}
     rows = run_bench(lm, cfg, prompts, specs)
     print(
         f"{lm.name} ({args.dtype}), split {split}, sink {args.sink}, tail {args.tail}, "
-        f"{cfg.warmup} warm-up, {cfg.repeats} repeats"
+        f"{cfg.warmup} warm-up{f' ({cfg.warmup_length} tokens)' if cfg.warmup_length else ''}, {cfg.repeats} repeats"
     )
     w = max(9, *(len(s.label) for s in specs))
     print(
@@ -141,33 +141,44 @@ def cmd_fill_error(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_eval(args: argparse.Namespace) -> int:
-    import time
-
+def _ruler_setup(args: argparse.Namespace, lengths, allowed, unknown: str):
+    """What `eval` and `needles` share: the tasks (checked against `allowed`), the model (lengths
+    checked against its context before any maps load), the split, the non-exact method specs and
+    the essay haystack from the corpus's evaluation split."""
     from ridgefill.corpus import load_corpus
-    from ridgefill.engine import Engine
-    from ridgefill.eval import report
-    from ridgefill.eval.adapter import DECODE, EngineAdapter, spec_settings
-    from ridgefill.eval.ppl import MethodSpec, tail_ppl
-    from ridgefill.eval.ruler import TASKS, RulerTask, essay_sentences
-    from ridgefill.eval.runner import recovered_over_identity, run_eval, summarise
-    from ridgefill.models import cache_dir, load_model
-    from ridgefill.results import write_json
+    from ridgefill.eval.ruler import essay_sentences
+    from ridgefill.models import load_model
 
     tasks = names(args.tasks)
-    bad = [t for t in tasks if t not in TASKS]
+    bad = [t for t in tasks if t not in allowed]
     if bad:
-        raise RidgefillError(f"unknown task(s) {', '.join(bad)}; choose from {', '.join(TASKS)}")
+        raise RidgefillError(f"{unknown} {', '.join(bad)}; choose from {', '.join(allowed)}")
     lm = load_model(args.model, dtype=args.dtype)
-    lengths = ints(args.lengths)
     for n in lengths:
         if n > lm.context_length:
             raise RidgefillError(f"length {n} exceeds {lm.name}'s context of {lm.context_length}")
     split = default_split(lm, args.split)
-    methods = [m for m in names(args.methods) if m != "exact"]
-    specs = [MethodSpec("exact", "exact", {})] + [method_spec(lm, m, split, args) for m in methods]
-    t0 = time.perf_counter()
+    specs = [method_spec(lm, m, split, args) for m in names(args.methods) if m != "exact"]
     essay = essay_sentences([d.text for d in load_corpus(args.corpus).part("eval")])
+    return tasks, lm, split, specs, essay
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import time
+
+    from ridgefill.engine import Engine
+    from ridgefill.eval import report
+    from ridgefill.eval.adapter import DECODE, EngineAdapter, spec_settings
+    from ridgefill.eval.ppl import MethodSpec, tail_ppl
+    from ridgefill.eval.ruler import TASKS, RulerTask
+    from ridgefill.eval.runner import recovered_over_identity, run_eval, summarise
+    from ridgefill.models import cache_dir
+    from ridgefill.results import write_json
+
+    lengths = ints(args.lengths)
+    tasks, lm, split, methods, essay = _ruler_setup(args, lengths, TASKS, "unknown task(s)")
+    specs = [MethodSpec("exact", "exact", {}), *methods]
+    t0 = time.perf_counter()
     cache = args.cache or (
         args.out.with_suffix(".samples.jsonl") if args.out else cache_dir() / "eval" / "samples.jsonl"
     )
@@ -231,26 +242,15 @@ def cmd_ablation(args: argparse.Namespace) -> int:
 
 
 def cmd_needles(args: argparse.Namespace) -> int:
-    from ridgefill.corpus import load_corpus
     from ridgefill.eval import needles
-    from ridgefill.eval.ruler import NIAH_TASKS, essay_sentences
-    from ridgefill.models import load_model
+    from ridgefill.eval.ruler import NIAH_TASKS
     from ridgefill.results import write_json
 
-    tasks = names(args.tasks)
-    bad = [t for t in tasks if t not in NIAH_TASKS]
-    if bad:
-        raise RidgefillError(f"not needle task(s): {', '.join(bad)}; choose from {', '.join(NIAH_TASKS)}")
     if args.scores is not None and not args.scores.is_file():
         raise RidgefillError(f"eval cache not found: {args.scores}")
-    lm = load_model(args.model, dtype=args.dtype)
-    if args.length > lm.context_length:
-        raise RidgefillError(f"length {args.length} exceeds {lm.name}'s context of {lm.context_length}")
-    split = default_split(lm, args.split)
-    specs = [method_spec(lm, m, split, args) for m in names(args.methods) if m != "exact"]
+    tasks, lm, _, specs, essay = _ruler_setup(args, [args.length], NIAH_TASKS, "not needle task(s):")
     if not specs:
         raise RidgefillError("name at least one method that skips rows (exact runs the needle in full)")
-    essay = essay_sentences([d.text for d in load_corpus(args.corpus).part("eval")])
     records = needles.needle_records(lm, specs, list(tasks), args.length, args.samples, essay, args.seed, args.scores)
     summary = needles.summarise_needles(records)
     print(needles.markdown(summary))

@@ -35,7 +35,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     lm = load_model(args.model, dtype=args.dtype)
     space = Space(
-        ints(args.splits), ints(args.tails), ints(args.query_rows), floats(args.drops), floats(args.sparse_keeps)
+        ints(args.splits),
+        ints(args.tails),
+        ints(args.query_rows),
+        floats(args.drops),
+        floats(args.sparse_keeps),
+        query_sentence=args.query_sentence,
     )
     cfg = TuneConfig(
         budget_niah=args.budget_niah,
@@ -118,6 +123,9 @@ def tune_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--splits", default="", help="comma-separated (default: 1/3, 2/5 and 1/2 of the layers)")
     p.add_argument("--tails", default="256,512", help="tail rows that run fully (comma-separated)")
     p.add_argument("--query-rows", default="512", help="query-aware full rows (comma-separated)")
+    p.add_argument(
+        "--query-sentence", type=int, default=0, help="query spans cover their peak's sentence (N tokens each side)"
+    )
     p.add_argument("--drops", default="0.5,0.75", help="fractions of bulk rows dropped from the deep layers")
     p.add_argument("--sparse-keeps", default="1,0.5", help="key-block fractions below the split (1: dense)")
     p.add_argument("--wave", type=int, default=12, help="NIAH-stage candidates at a time, fastest first")

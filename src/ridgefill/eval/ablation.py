@@ -17,7 +17,7 @@ from ridgefill.errors import RidgefillError
 from ridgefill.eval.runner import summarise
 from ridgefill.methods import parse_method, settings_for
 
-KNOBS = ("split", "tail", "sink", "query_rows", "query_window", "drop", "sparse_keep")
+KNOBS = ("split", "tail", "sink", "query_rows", "query_window", "query_sentence", "drop", "sparse_keep")
 
 
 def label_settings(label: str, settings: dict) -> dict:

@@ -41,6 +41,18 @@ def spec_settings(spec: MethodSpec) -> dict:
     return out
 
 
+# Settings fields added after committed caches were written: left out of the key while at their
+# default, so those records stay valid (a non-default value is part of the key as usual).
+LATER_FIELDS = {"query_sentence": 0}
+
+
+def _key_settings(settings) -> dict | None:
+    if not is_dataclass(settings):
+        return settings
+    d = asdict(settings)
+    return {k: v for k, v in d.items() if not (k in LATER_FIELDS and v == LATER_FIELDS[k])}
+
+
 def config_key(lm: LoadedModel, spec: MethodSpec) -> str:
     """What a cached record was computed with: model weights, dtype, method, its settings and the
     header of the maps it read. A cache entry is reused only under the same key, so re-running with
@@ -51,7 +63,7 @@ def config_key(lm: LoadedModel, spec: MethodSpec) -> str:
         "model": fingerprint(lm)["weights_sha256"],
         "dtype": str(lm.dtype),
         "method": spec.method,
-        "settings": asdict(settings) if is_dataclass(settings) else settings,
+        "settings": _key_settings(settings),
         "maps": None if maps is None else {"method": maps.method, "split": maps.split, "header": maps.header},
     }
     return hashlib.sha1(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:12]

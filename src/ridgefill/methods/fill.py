@@ -24,7 +24,7 @@ from ridgefill.errors import RidgefillError
 from ridgefill.fit.maps import FillMaps
 from ridgefill.fit.ridge import fit_rows
 from ridgefill.methods.gate import check_fraction, run_lower, sliding_rows
-from ridgefill.methods.select import pick_spans, token_scores, top_blocks
+from ridgefill.methods.select import pick_spans, sentence_ends, token_scores, top_blocks
 from ridgefill.models import hf
 from ridgefill.ops.attention import apply_rope
 
@@ -44,6 +44,9 @@ class FillSettings:
         query_rows: about this many more rows run fully, chosen by the attention the last
             `query_last` tokens pay them at the split layer (spans of `query_window` tokens
             around the peaks; see methods/select.py); 0 disables.
+        query_sentence: a query span also covers the sentence around its peak, up to this many
+            tokens either side of the peak (sentence ends: tokens holding . ! ? or a newline);
+            0 disables.
         drop: the three-tier `gated-ridge`: this fraction of the bulk rows, the lowest-scoring
             blocks of `block` tokens by the same split-layer score, is neither filled nor run in
             the deep layers (absent from their cache, as in methods/gate.py); 0 disables. Rows
@@ -60,6 +63,7 @@ class FillSettings:
     query_rows: int = 0
     query_window: int = 32
     query_last: int = 64
+    query_sentence: int = 0
     drop: float = 0.0
     sparse_keep: float = 1.0
     block: int = 64
@@ -74,8 +78,8 @@ class FillSettings:
             raise RidgefillError(f"split {self.split} is outside 0..{num_layers}")
         if self.sink < 0 or self.tail < 1:
             raise RidgefillError("sink must be >= 0 and tail >= 1 (the last token always runs fully)")
-        if self.query_rows < 0 or self.query_window < 1 or self.query_last < 1:
-            raise RidgefillError("query_rows must be >= 0, query_window and query_last >= 1")
+        if self.query_rows < 0 or self.query_window < 1 or self.query_last < 1 or self.query_sentence < 0:
+            raise RidgefillError("query_rows and query_sentence must be >= 0, query_window and query_last >= 1")
         if not 0 <= self.drop < 1 or self.block < 1:
             raise RidgefillError(f"drop must be in [0, 1) and block >= 1, got drop {self.drop}, block {self.block}")
         check_fraction("sparse_keep", self.sparse_keep)
@@ -179,7 +183,8 @@ def prefill_fill(
         scores = token_scores(engine, s.split, h, tables, s.query_last)
         meta.update(row_scores=scores, score_candidates=bulk)  # for diagnostics (eval's needle rank)
         if s.query_rows:
-            full |= pick_spans(scores, ~full, s.query_rows, s.query_window)
+            ends = sentence_ends(engine, input_ids) if s.query_sentence else None
+            full |= pick_spans(scores, ~full, s.query_rows, s.query_window, ends, s.query_sentence)
         bulk = ~full
         if s.drop:
             # Bulk rows a sliding-window cache must hold are filled, never dropped (methods/gate.py).

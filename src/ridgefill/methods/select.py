@@ -5,8 +5,10 @@ question sits) are scored against every key at the split layer (per-head softmax
 those queries, max over heads); spans of `window` tokens centred on the highest-scoring tokens
 become full rows, up to `rows` of them. At split 15 of SmolLM2 the needle's best token ranks
 first among 3.8K bulk tokens in most NIAH samples; at layers 6-12 it ranks 40-130th. Peers use
-the same signal (GemFilter, MInference's last-64-queries index, CacheBlend). What it is not: a
-token dropper; unselected rows are still filled.
+the same signal (GemFilter, MInference's last-64-queries index, CacheBlend). Optionally a span
+also covers the sentence around its peak (`reach` tokens either side at most), so a needle longer
+than the window (a UUID is ~40 tokens) runs fully as a whole. What it is not: a token dropper;
+unselected rows are still filled.
 """
 
 from __future__ import annotations
@@ -33,20 +35,60 @@ def token_scores(engine: Engine, layer: int, h: torch.Tensor, tables, last: int)
     return att[0].mean(1).amax(0)  # mean over the queries, max over heads
 
 
-def pick_spans(scores: torch.Tensor, candidates: torch.Tensor, rows: int, window: int) -> torch.Tensor:
+SENTENCE_END = (".", "!", "?", "\n")
+
+
+def sentence_ends(engine: Engine, input_ids: torch.Tensor) -> torch.Tensor:
+    """Boolean (N,): tokens whose text holds a sentence end (. ! ? or a newline). input_ids: (1, N).
+
+    The vocabulary is decoded once per engine (a second or two for a 150K vocabulary)."""
+    table = getattr(engine, "_sentence_end_ids", None)
+    if table is None:
+        tok = engine.lm.tokenizer
+        text = tok.batch_decode([[i] for i in range(len(tok))])
+        table = torch.tensor([any(c in t for c in SENTENCE_END) for t in text], dtype=torch.bool)
+        engine._sentence_end_ids = table
+    ids = input_ids[0].clamp(0, len(table) - 1)
+    return table[ids]
+
+
+def sentence_around(ends: torch.Tensor, p: int, reach: int) -> tuple[int, int]:
+    """[lo, hi) of the sentence holding position p: just after the last end before p, through the
+    first end at or after p; at most `reach` tokens either side of p where no end is that near."""
+    n = ends.shape[0]
+    lo, hi = max(0, p - reach), min(n, p + reach + 1)
+    before = ends[lo:p].nonzero()
+    after = ends[p:hi].nonzero()
+    return (lo + int(before[-1]) + 1 if len(before) else lo), (p + int(after[0]) + 1 if len(after) else hi)
+
+
+def pick_spans(
+    scores: torch.Tensor,
+    candidates: torch.Tensor,
+    rows: int,
+    window: int,
+    ends: torch.Tensor | None = None,
+    reach: int = 0,
+) -> torch.Tensor:
     """Boolean (N,) mask: spans of `window` tokens centred on the highest-scoring candidate tokens.
 
-    Peaks are taken in score order, each one outside the spans already chosen, until about
-    `rows` rows are chosen (at most rows // window spans, so a loop of a few steps, not per row).
+    Peaks are taken in score order, each one outside the spans already chosen. Plain windows: at
+    most rows // window spans. With sentence ends (`ends`, (N,) bool) and `reach` > 0 each span
+    also covers the sentence around its peak (`sentence_around`), and spans are added until at
+    least `rows` candidate rows are chosen. Either way a loop of a few steps, not one per row.
     """
     n = scores.shape[0]
     chosen = torch.zeros(n, dtype=torch.bool)
     s = scores.masked_fill(~candidates, float("-inf")).clone()
-    for _ in range(max(1, rows // window)):
+    sentences = ends is not None and reach > 0
+    for _ in range(n if sentences else max(1, rows // window)):
         p = int(s.argmax())
-        if s[p] == float("-inf"):
+        if s[p] == float("-inf") or (sentences and int((chosen & candidates).sum()) >= rows):
             break
         lo, hi = max(0, p - window // 2), min(n, p + (window + 1) // 2)
+        if sentences:
+            a, b = sentence_around(ends, p, reach)
+            lo, hi = min(lo, a), max(hi, b)
         chosen[lo:hi] = True
         s[lo:hi] = float("-inf")
     return chosen & candidates

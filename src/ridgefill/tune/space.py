@@ -26,6 +26,8 @@ class Candidate:
         parts = [f"{self.method}@{s.split}", f"tail={s.tail}"]
         if s.query_rows:
             parts.append(f"query_rows={s.query_rows}")
+        if s.query_rows and s.query_sentence:
+            parts.append(f"query_sentence={s.query_sentence}")
         if s.drop:
             parts.append(f"drop={s.drop:g}")
         if s.sparse_keep < 1:
@@ -43,6 +45,7 @@ class Space:
     drops: tuple[float, ...] = (0.5, 0.75)
     sparse_keeps: tuple[float, ...] = (1.0, 0.5)
     sink: int = 4
+    query_sentence: int = 0  # query spans also cover their peak's sentence, this far either side (0: off)
 
     def resolved_splits(self, num_layers: int) -> tuple[int, ...]:
         if self.splits:
@@ -71,7 +74,15 @@ def grid(space: Space, num_layers: int) -> list[Candidate]:
             for q in space.query_rows:
                 for drop in (0.0, *space.drops):
                     for keep in space.sparse_keeps or (1.0,):
-                        s = FillSettings(split, space.sink, tail, query_rows=q, drop=drop, sparse_keep=keep)
+                        s = FillSettings(
+                            split,
+                            space.sink,
+                            tail,
+                            query_rows=q,
+                            query_sentence=space.query_sentence if q else 0,
+                            drop=drop,
+                            sparse_keep=keep,
+                        )
                         s.check(num_layers)
                         out.append(Candidate("ridge", s))
     return list({c.label: c for c in out}.values())
