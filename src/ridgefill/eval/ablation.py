@@ -16,6 +16,7 @@ from pathlib import Path
 from ridgefill.errors import RidgefillError
 from ridgefill.eval.runner import summarise
 from ridgefill.methods import parse_method, settings_for
+from ridgefill.methods.fill import ADDED_LATER
 
 KNOBS = ("split", "tail", "sink", "query_rows", "query_window", "query_sentence", "drop", "sparse_keep")
 
@@ -88,14 +89,14 @@ def rows(path: str | Path) -> list[dict]:
         if r["method"] == "exact":
             continue
         p = ppl.get((r["method"], r["length"]), {})
-        s = by_label[r["method"]]
+        s = by_label[r["method"]]  # fill settings recorded before a field existed get its old meaning
         out.append(
             {
                 "model": doc["model"],
                 "method": r["method"],
                 "fill": s["method"],
                 "direction": direction(s),
-                **{k: s.get(k) for k in KNOBS},
+                **{k: s.get(k, ADDED_LATER.get(k) if "query_rows" in s else None) for k in KNOBS},
                 "length": r["length"],
                 "tasks": r["tasks"],
                 "samples": r["samples"],

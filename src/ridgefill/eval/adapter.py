@@ -23,6 +23,7 @@ from ridgefill.eval.ppl import MethodSpec, shared_lower
 from ridgefill.eval.ruler import RulerTask
 from ridgefill.fit.maps import fingerprint
 from ridgefill.generation import encode_prompt, generate_batch, prompt_text
+from ridgefill.methods.fill import ADDED_LATER
 from ridgefill.models.loading import LoadedModel
 
 DECODE = (
@@ -41,16 +42,12 @@ def spec_settings(spec: MethodSpec) -> dict:
     return out
 
 
-# Settings fields added after committed caches were written: left out of the key while at their
-# default, so those records stay valid (a non-default value is part of the key as usual).
-LATER_FIELDS = {"query_sentence": 0}
-
-
 def _key_settings(settings) -> dict | None:
+    """Settings as a cache key holds them: fields added later are left out at the value older
+    records mean, so those records stay valid (any other value is part of the key as usual)."""
     if not is_dataclass(settings):
         return settings
-    d = asdict(settings)
-    return {k: v for k, v in d.items() if not (k in LATER_FIELDS and v == LATER_FIELDS[k])}
+    return {k: v for k, v in asdict(settings).items() if not (k in ADDED_LATER and v == ADDED_LATER[k])}
 
 
 def config_key(lm: LoadedModel, spec: MethodSpec) -> str:

@@ -31,6 +31,11 @@ from ridgefill.ops.attention import apply_rope
 FILL_METHODS = ("identity", "ridge", "kva")
 
 
+# Settings fields added after results and caches were committed, with the value older records
+# mean by leaving them out (eval cache keys omit them at that value; ablation rows fill them in).
+ADDED_LATER = {"query_sentence": 0}
+
+
 @dataclass(frozen=True)
 class FillSettings:
     """Where to split and which rows run fully.
