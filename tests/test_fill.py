@@ -217,7 +217,7 @@ def test_pick_spans_cover_the_sentence_around_a_peak():
 
 
 def test_sentence_ends_read_the_tokenizer(smollm2):
-    from ridgefill.methods.select import sentence_ends
+    from ridgefill.methods.select import _SENTENCE_END_IDS, sentence_ends
 
     eng = Engine(smollm2)
     text = "Grass is green. The sky is blue\nand so on. " * 12 + "One of the special magic numbers is: 12345. Fine."
@@ -225,6 +225,8 @@ def test_sentence_ends_read_the_tokenizer(smollm2):
     ends = sentence_ends(eng, ids)
     texts = [smollm2.tokenizer.decode([int(i)]) for i in ids[0]]
     assert ends.tolist() == [("." in t or "\n" in t) for t in texts] and int(ends.sum()) == 3 * 12 + 2
+    table = _SENTENCE_END_IDS[smollm2.tokenizer]  # decoded once per tokenizer, not per engine
+    assert torch.equal(sentence_ends(Engine(smollm2), ids), ends) and _SENTENCE_END_IDS[smollm2.tokenizer] is table
     s = FillSettings(split=15, sink=2, tail=4, outlier_factor=None, query_rows=4, query_window=2, query_sentence=32)
     res = run_prefill(eng, ids, "identity", settings=s)
     full = res.meta["full_positions"][2:]  # past the sinks; the tail ends the prompt's last sentence
