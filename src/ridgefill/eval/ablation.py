@@ -14,7 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ridgefill.errors import RidgefillError
-from ridgefill.eval.runner import summarise
+from ridgefill.eval.runner import read_records, summarise
 from ridgefill.methods import parse_method, settings_for
 from ridgefill.methods.fill import ADDED_LATER
 
@@ -56,8 +56,7 @@ def _pooled_from_cache(doc: dict, path: Path) -> list[dict]:
         raise RidgefillError(f"{path} has no pooled needle row and its cache {cache} is missing")
     wanted = {(r["method"], r["task"], r["length"]): r["samples"] for r in doc["results"]}
     records, configs = [], {}
-    for line in cache.read_text().splitlines():
-        r = json.loads(line)
+    for r in read_records(cache):
         n = wanted.get((r["method"], r["task"], r["length"]))
         if n is not None and r["index"] < n:
             records.append(r)

@@ -10,7 +10,6 @@ an evaluation (nothing is decoded; scores come from the cache when given).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -18,19 +17,13 @@ from tqdm.auto import tqdm
 from ridgefill.engine import Engine
 from ridgefill.eval.adapter import config_key, needle_rows, prepare, prompt_key
 from ridgefill.eval.ppl import MethodSpec, shared_lower
-from ridgefill.eval.runner import needle_breakdown
+from ridgefill.eval.runner import needle_breakdown, read_records
 from ridgefill.methods import run_prefill
 from ridgefill.models.loading import LoadedModel
 
 
 def _scored(path: Path | None) -> dict[tuple, dict]:
-    if path is None:
-        return {}
-    out = {}
-    for line in Path(path).read_text().splitlines():
-        r = json.loads(line)
-        out[(r["prompt"], r["method"], r.get("config"))] = r
-    return out
+    return {} if path is None else {(r["prompt"], r["method"], r.get("config")): r for r in read_records(path)}
 
 
 def needle_records(

@@ -35,6 +35,11 @@ def _bootstrap_ci(diffs: list[float], seed: int = 0, rounds: int = 2000) -> list
     return [round(float(means.quantile(0.025)), 2), round(float(means.quantile(0.975)), 2)]
 
 
+def read_records(path: Path) -> list[dict]:
+    """The records of a per-sample JSONL cache, in file order."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
 def run_eval(
     adapter: Adapter,
     tasks: Sequence[Task],
@@ -53,10 +58,8 @@ def run_eval(
         if n > adapter.context_length:
             raise RidgefillError(f"length {n} exceeds {adapter.name}'s context of {adapter.context_length}")
     done: dict[tuple, dict] = {}
-    if cache_path.is_file():
-        for line in cache_path.read_text().splitlines():
-            r = json.loads(line)
-            done[(r["task"], r["length"], r["index"], r["method"], r["prompt"], r.get("config"))] = r
+    for r in read_records(cache_path) if cache_path.is_file() else []:
+        done[(r["task"], r["length"], r["index"], r["method"], r["prompt"], r.get("config"))] = r
     cache_path.parent.mkdir(parents=True, exist_ok=True)
     configs = {m: adapter.config(m) for m in adapter.methods}
     records = []
