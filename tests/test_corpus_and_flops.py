@@ -72,3 +72,21 @@ def test_bench_warms_up_on_a_shorter_prompt_and_times_the_full_one(monkeypatch):
     rows = ttft.run_bench(lm, ttft.BenchConfig((48,), repeats=2, warmup=1, warmup_length=16), prompts, specs)
     assert seen == [("exact", 16), ("identity", 16), ("identity", 48), ("exact", 48), ("exact", 48), ("identity", 48)]
     assert [r["repeats"] for r in rows] == [2, 2] and rows[0]["speedup"] == 1.0
+
+
+def test_bench_checks_every_length_before_timing_any(monkeypatch):
+    import torch
+
+    from conftest import make_tiny
+    from ridgefill.bench import ttft
+    from ridgefill.errors import PromptError
+    from ridgefill.eval.ppl import MethodSpec
+
+    ran = []
+    monkeypatch.setattr(ttft, "run_prefill", lambda *a, **k: ran.append(a))
+    lm = make_tiny("llama")
+    too_long = lm.context_length + 1
+    prompts = {48: torch.randint(0, 100, (48,)).tolist(), too_long: []}
+    with pytest.raises(PromptError, match=f"length {too_long} exceeds"):
+        ttft.run_bench(lm, ttft.BenchConfig((48, too_long)), prompts, [MethodSpec("exact", "exact", {})])
+    assert ran == []

@@ -175,3 +175,22 @@ def test_niah_tasks_pool_per_method_and_pair_with_exact():
 
     table = niah_table(summarise(recs)["niah_pooled"], [{"method": "m", "length": 8, "ppl_increase_pct": 3.25}])
     assert "| m | 8 | 2 | 4 | 25.0 | 75.0 | -50.0 [" in table and "| +3.2% | 1.00x |" in table
+
+
+def test_needle_breakdown_reads_the_same_in_the_eval_report_and_the_needles_table():
+    from ridgefill.eval import needles, report
+    from ridgefill.eval.runner import breakdown_case
+
+    nr = {
+        "full": {"prompts": 3, "score": 100.0, "exact_score": 100.0},
+        "part": {"prompts": 0, "score": None, "exact_score": None},
+        "none": {"prompts": 1, "score": 0.0, "exact_score": None},
+        "rank_median": 2,
+        "rank_p90": 9,
+    }
+    assert [breakdown_case(nr[k]) for k in ("full", "part", "none")] == ["100.0 vs exact 100.0", "-", "0.0 vs exact -"]
+    (line,) = report.needle_lines([{"method": "ridge", "length": 4096, "needle_rows": nr}])
+    want = "ridge @ 4096: needle rows ran full in 3 (100.0 vs exact 100.0), none in 1 (0.0 vs exact -)"
+    assert line == want + "; median rank of the needle by row score 2"
+    row = needles.markdown([{"method": "ridge", "task": "niah_single_1", "prompts": 4, **nr}]).splitlines()[-1]
+    assert row == "| ridge | niah_single_1 | 4 | 3 | 0 | 1 | 2 | 9 | 100.0 vs exact 100.0 | - | 0.0 vs exact - |"

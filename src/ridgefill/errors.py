@@ -24,3 +24,11 @@ class PromptError(RidgefillError):
 
 class MapError(RidgefillError):
     """A map file that is corrupt, non-finite, or fitted on another model."""
+
+
+def check_lengths(lengths, name: str, context_length: int) -> None:
+    """Raise `PromptError` for the first length above the model's context (eval, bench and ppl
+    call it before any work, so a bad length loses nothing)."""
+    for n in [lengths] if isinstance(lengths, int) else lengths:
+        if n > context_length:
+            raise PromptError(f"length {n} exceeds {name}'s context of {context_length}")

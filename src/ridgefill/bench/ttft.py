@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from ridgefill.bench.flops import exact_macs, plan_macs
 from ridgefill.bench.memory import PeakRSS
 from ridgefill.engine import Engine
-from ridgefill.errors import RidgefillError
+from ridgefill.errors import RidgefillError, check_lengths
 from ridgefill.eval.ppl import MethodSpec
 from ridgefill.methods import run_prefill
 from ridgefill.models.loading import LoadedModel
@@ -50,13 +50,12 @@ def run_bench(lm: LoadedModel, cfg: BenchConfig, prompts: dict[int, list[int]], 
     labels = [s.label for s in specs]
     if "exact" not in labels:
         raise RidgefillError("bench compares against exact: include it in --methods")
+    check_lengths(cfg.lengths, lm.name, lm.context_length)
     engine = Engine(lm)
     rows = []
     total = len(cfg.lengths) * (cfg.repeats + cfg.warmup) * len(specs)
     bar = tqdm(total=total, desc=f"bench {lm.name}", unit="run")
     for n in cfg.lengths:
-        if n > lm.context_length:
-            raise RidgefillError(f"length {n} exceeds {lm.name}'s context of {lm.context_length}")
         ids = torch.tensor([prompts[n]])
         times: dict[str, list[float]] = {m: [] for m in labels}
         attn: dict[str, list[float]] = {m: [] for m in labels}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from ridgefill.cli.common import default_split, eval_tokens, ints, method_spec, names
-from ridgefill.errors import RidgefillError
+from ridgefill.errors import RidgefillError, check_lengths
 
 
 def cmd_fit(args: argparse.Namespace) -> int:
@@ -80,8 +80,7 @@ def cmd_ppl(args: argparse.Namespace) -> int:
     from ridgefill.results import write_json
 
     lm = load_model(args.model, dtype=args.dtype)
-    if args.length > lm.context_length:
-        raise RidgefillError(f"length {args.length} exceeds {lm.name}'s context of {lm.context_length}")
+    check_lengths(args.length, lm.name, lm.context_length)
     docs = eval_tokens(lm, args.corpus, args.length, args.docs)
     specs = [MethodSpec("exact", "exact", {})]
     for split in ints(args.splits) or (default_split(lm, None),):
@@ -154,9 +153,7 @@ def _ruler_setup(args: argparse.Namespace, lengths, allowed, unknown: str):
     if bad:
         raise RidgefillError(f"{unknown} {', '.join(bad)}; choose from {', '.join(allowed)}")
     lm = load_model(args.model, dtype=args.dtype)
-    for n in lengths:
-        if n > lm.context_length:
-            raise RidgefillError(f"length {n} exceeds {lm.name}'s context of {lm.context_length}")
+    check_lengths(lengths, lm.name, lm.context_length)
     split = default_split(lm, args.split)
     specs = [method_spec(lm, m, split, args) for m in names(args.methods) if m != "exact"]
     essay = essay_sentences([d.text for d in load_corpus(args.corpus).part("eval")])

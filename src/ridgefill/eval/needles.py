@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from ridgefill.engine import Engine
 from ridgefill.eval.adapter import config_key, needle_rows, prepare, prompt_key
 from ridgefill.eval.ppl import MethodSpec, shared_lower
-from ridgefill.eval.runner import needle_breakdown, read_records
+from ridgefill.eval.runner import breakdown_case, needle_breakdown, read_records
 from ridgefill.methods import run_prefill
 from ridgefill.models.loading import LoadedModel
 
@@ -83,21 +83,15 @@ def summarise_needles(records: list[dict]) -> list[dict]:
 def markdown(summary: list[dict]) -> str:
     lines = [
         "| method | task | prompts | needle ran fully | partly | not at all | median rank | 90th pct rank |"
-        " score if fully (exact) | partly (exact) | not at all (exact) |",
+        " score if fully | partly | not at all |",
         "|" + "---|" * 11,
     ]
-
-    def cell(c: dict) -> str:
-        if not c["prompts"] or c["score"] is None:
-            return "-"
-        ex = "-" if c["exact_score"] is None else f"{c['exact_score']:.1f}"
-        return f"{c['score']:.1f} ({ex})"
 
     for r in summary:
         if "full" not in r:
             continue
         counts = " | ".join(str(r[k]["prompts"]) for k in ("full", "part", "none"))
-        scores = " | ".join(cell(r[k]) for k in ("full", "part", "none"))
+        scores = " | ".join(breakdown_case(r[k]) for k in ("full", "part", "none"))
         rank = f"{r['rank_median']} | {r['rank_p90']}" if r["rank_median"] is not None else "- | -"
         lines.append(f"| {r['method']} | {r['task']} | {r['prompts']} | {counts} | {rank} | {scores} |")
     return "\n".join(lines)

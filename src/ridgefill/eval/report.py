@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ridgefill.eval.runner import DEPTH_BUCKETS
+from ridgefill.eval.runner import DEPTH_BUCKETS, breakdown_case
 
 
 def markdown(results: list[dict], ppl: list[dict] | None = None) -> str:
@@ -66,10 +66,8 @@ def needle_lines(pooled: list[dict]) -> list[str]:
             continue
         parts = []
         for kind in ("full", "part", "none"):
-            c = nr[kind]
-            if c["prompts"]:
-                ex = "-" if c["exact_score"] is None else f"{c['exact_score']:.1f}"
-                parts.append(f"{kind} in {c['prompts']} ({c['score']:.1f} vs exact {ex})")
+            if nr[kind]["prompts"]:
+                parts.append(f"{kind} in {nr[kind]['prompts']} ({breakdown_case(nr[kind])})")
         rank = "" if nr["rank_median"] is None else f"; median rank of the needle by row score {nr['rank_median']}"
         out.append(f"{r['method']} @ {r['length']}: needle rows ran {', '.join(parts)}{rank}")
     return out

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ridgefill.errors import RidgefillError
+from ridgefill.errors import RidgefillError, check_lengths
 from ridgefill.eval import ruler
 from ridgefill.eval.api import Adapter, Task
 
@@ -54,9 +54,7 @@ def run_eval(
     figure (a record is `filled` when its needle sits before them)."""
     if not adapter.methods or adapter.methods[0] != "exact":
         raise RidgefillError("the first method must be exact: every score is paired against it")
-    for n in lengths:
-        if n > adapter.context_length:
-            raise RidgefillError(f"length {n} exceeds {adapter.name}'s context of {adapter.context_length}")
+    check_lengths(lengths, adapter.name, adapter.context_length)
     done: dict[tuple, dict] = {}
     for r in read_records(cache_path) if cache_path.is_file() else []:
         done[(r["task"], r["length"], r["index"], r["method"], r["prompt"], r.get("config"))] = r
@@ -143,6 +141,13 @@ def needle_breakdown(rows: dict[tuple, dict], exact: dict[tuple, dict]) -> dict 
     out["rank_median"] = ranks[len(ranks) // 2] if ranks else None
     out["rank_p90"] = ranks[min(len(ranks) - 1, int(0.9 * len(ranks)))] if ranks else None
     return out
+
+
+def breakdown_case(c: dict) -> str:
+    """One case of `needle_breakdown` as text: "92.0 vs exact 100.0" ("-" with no scored prompts)."""
+    if not c["prompts"] or c["score"] is None:
+        return "-"
+    return f"{c['score']:.1f} vs exact " + ("-" if c["exact_score"] is None else f"{c['exact_score']:.1f}")
 
 
 def summarise(records: list[dict]) -> dict:
