@@ -50,8 +50,11 @@ def test_bench_writes_paired_results(maps_dir, tmp_path):
     out = tmp_path / "bench.json"
     argv = ["bench", "--lengths", "1024", "--repeats", "1", "--methods", "exact,ridge,kva", "--maps", str(maps_dir)]
     assert main([*argv, "--split", "15", "--out", str(out)]) == 0
-    rows = {r["method"]: r for r in json.loads(out.read_text())["results"]}
+    data = json.loads(out.read_text())
+    rows = {r["method"]: r for r in data["results"]}
     assert rows["exact"]["speedup"] == 1.0 and rows["exact"]["flop_bound"] == 1.0
+    ran = data["config"]["method_settings"]
+    assert ran["ridge"]["split"] == ran["ridge"]["maps_split"] == 15 and ran["kva"]["method"] == "kva"
     assert rows["ridge"]["flop_bound"] > 1.0 and rows["ridge"]["full_rows"] == 4 + 256
 
 

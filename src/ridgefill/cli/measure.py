@@ -37,6 +37,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from ridgefill.bench.ttft import BenchConfig, run_bench
+    from ridgefill.eval.adapter import spec_settings
     from ridgefill.models import load_model
     from ridgefill.results import write_json
 
@@ -68,6 +69,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             "sink": args.sink,
             "tail": args.tail,
             "methods": [s.label for s in specs],
+            # What each label ran (`tuned` resolves to the bundle's method and settings).
+            "method_settings": {s.label: spec_settings(s) for s in specs},
         }
         write_json(args.out, {"model": lm.name, "dtype": args.dtype, "config": config, "results": rows}, args.argv)
     return 0
