@@ -168,6 +168,8 @@ def test_eval_cli_refuses_bad_input(capsys, tmp_path, smollm2_maps):
     assert code == 2 and "unknown task(s) niah_nope" in capsys.readouterr().err
     code = main(["eval", "--tasks", "niah_single_1", "--lengths", "9000"])
     assert code == 2 and "length 9000 exceeds" in capsys.readouterr().err
+    code = main(["bench", "--lengths", "1024,9000", "--methods", "exact,ridge"])
+    assert code == 2 and "length 9000 exceeds smollm2-135m's context" in capsys.readouterr().err
     # Maps whose header names other weights are refused before any sample runs.
     from ridgefill.fit.maps import load_maps, maps_filename, save_maps
 

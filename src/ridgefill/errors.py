@@ -5,6 +5,8 @@ Every error a user can cause (bad model name, corrupt file, prompt too long, wro
 else that escapes is a bug.
 """
 
+from collections.abc import Iterable
+
 
 class RidgefillError(Exception):
     """An error caused by input, with a message that says what to do."""
@@ -26,9 +28,9 @@ class MapError(RidgefillError):
     """A map file that is corrupt, non-finite, or fitted on another model."""
 
 
-def check_lengths(lengths, name: str, context_length: int) -> None:
+def check_lengths(lengths: Iterable[int], name: str, context_length: int) -> None:
     """Raise `PromptError` for the first length above the model's context (eval, bench and ppl
     call it before any work, so a bad length loses nothing)."""
-    for n in [lengths] if isinstance(lengths, int) else lengths:
+    for n in lengths:
         if n > context_length:
             raise PromptError(f"length {n} exceeds {name}'s context of {context_length}")

@@ -44,6 +44,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     lm = load_model(args.model, dtype=args.dtype)
     split = default_split(lm, args.split)
     cfg = BenchConfig(ints(args.lengths), args.repeats, args.warmup, args.warmup_length)
+    check_lengths(cfg.lengths, lm.name, lm.context_length)  # before maps load and prompts are cut
     specs = [method_spec(lm, m, split, args) for m in names(args.methods)]
     prompts = {n: eval_tokens(lm, args.corpus, n, 1)[0] for n in cfg.lengths}
     rows = run_bench(lm, cfg, prompts, specs)
@@ -83,7 +84,7 @@ def cmd_ppl(args: argparse.Namespace) -> int:
     from ridgefill.results import write_json
 
     lm = load_model(args.model, dtype=args.dtype)
-    check_lengths(args.length, lm.name, lm.context_length)
+    check_lengths((args.length,), lm.name, lm.context_length)
     docs = eval_tokens(lm, args.corpus, args.length, args.docs)
     specs = [MethodSpec("exact", "exact", {})]
     for split in ints(args.splits) or (default_split(lm, None),):
