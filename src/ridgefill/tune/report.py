@@ -33,8 +33,9 @@ def table(result: dict, budget_niah: float, budget_ppl: float) -> str:
 def plot(result: dict, path: str | Path, title: str, budget_niah: float, budget_ppl: float) -> Path:
     """Speedup (x) against NIAH loss (y), coloured by tail PPL increase; frontier joined, choice ringed.
 
-    Candidates stopped at the perplexity stage have no NIAH loss: they are drawn below the others
-    as crosses in the same colours, so the picture shows every configuration measured.
+    Candidates without a NIAH loss are drawn below the others in the same colours, so the picture
+    shows every configuration measured: crosses over the perplexity budget, pluses not reached
+    because a faster one met both budgets.
     """
     import matplotlib
 
@@ -58,16 +59,24 @@ def plot(result: dict, path: str | Path, title: str, budget_niah: float, budget_
     )
     if ppl_only:
         low = min([0.0] + [r["niah_loss"] for r in measured]) - 5
-        ax.scatter(
-            [r["speedup"] for r in ppl_only],
-            [low] * len(ppl_only),
-            marker="x",
-            c=[r["ppl_increase_pct"] for r in ppl_only],
-            cmap="viridis_r",
-            vmin=0,
-            vmax=vmax,
-            label="over the PPL budget (NIAH not run), same colours",
-        )
+        over = [r for r in ppl_only if r["ppl_increase_pct"] > budget_ppl]
+        skipped = [r for r in ppl_only if r["ppl_increase_pct"] <= budget_ppl]
+        for group, marker, label in (
+            (over, "x", "over the PPL budget (NIAH not run)"),
+            (skipped, "+", "NIAH not run: " + ("a faster one met both budgets" if result["chosen"] else "not reached")),
+        ):
+            if group:
+                ax.scatter(
+                    [r["speedup"] for r in group],
+                    [low] * len(group),
+                    marker=marker,
+                    s=50,
+                    c=[r["ppl_increase_pct"] for r in group],
+                    cmap="viridis_r",
+                    vmin=0,
+                    vmax=vmax,
+                    label=label,
+                )
     front = sorted((r for r in measured if r["frontier"]), key=lambda r: r["speedup"])
     if front:
         ax.plot([r["speedup"] for r in front], [r["niah_loss"] for r in front], "k--", lw=1, label="frontier")
