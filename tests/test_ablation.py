@@ -20,7 +20,7 @@ def _records():
     outcomes = {"exact": [100, 100, 0, 100], "ridge": [0, 0, 0, 100]}
     for i in range(4):
         task = "niah_single_1" if i < 2 else "niah_multikey_1"
-        base = {"task": task, "length": 64, "index": i % 2, "prompt": f"p{i}", "depth": 0.5, "config": "c"}
+        base = {"task": task, "length": 64, "index": i % 2, "prompt": f"p{i}", "depth": 0.5, "config": "c", "run": "r"}
         for m in METHODS:
             score = outcomes.get(m, outcomes["exact"])[i]
             recs.append({**base, "method": m, "score": float(score), "ttft_s": 1.0 if m == "exact" else 0.5})

@@ -88,13 +88,20 @@ def test_run_resumes_and_reruns_only_changed_configurations(tmp_path):
     lines = cache.read_text().splitlines()
     cache.write_text("\n".join(lines[:-2]) + "\n")
     resumed = DummyAdapter()
-    assert run_eval(resumed, [DummyTask()], [256], 4, cache, tail=64) == first
+    again = run_eval(resumed, [DummyTask()], [256], 4, cache, tail=64)
+    assert [{**r, "run": None} for r in again] == [{**r, "run": None} for r in first]
     assert resumed.generated == [(3, "exact"), (3, "forgetful")]
+    assert [r["run"] == first[0]["run"] for r in again] == [True] * 6 + [False] * 2
     # Another tail is another configuration of `forgetful`: it reruns, exact is reused.
     other = DummyAdapter(tail=128)
-    run_eval(other, [DummyTask()], [256], 4, cache, tail=128)
+    mixed = run_eval(other, [DummyTask()], [256], 4, cache, tail=128)
     assert {m for _, m in other.generated} == {"forgetful"} and len(other.generated) == 4
     assert len(cache.read_text().splitlines()) == 12
+    # Scores pair with the cached exact records; TTFT does not (timed in another process).
+    rows = {r["method"]: r for r in summarise(mixed)["results"]}
+    assert rows["forgetful"]["delta_vs_exact"] is not None
+    assert rows["forgetful"]["ttft_speedup"] is None and rows["forgetful"]["ttft_pairs"] == 0
+    assert {r["method"]: r for r in summarise(first)["results"]}["forgetful"]["ttft_pairs"] == 4
 
 
 def test_ruler_tasks_run_behind_any_adapter(tmp_path):

@@ -129,13 +129,15 @@ def test_exact_against_itself_has_zero_delta(smollm2, tmp_path):
     assert run_eval(EngineAdapter(smollm2, specs), task, [512], 2, tmp_path / "c.jsonl") == recs
 
 
-def test_summary_pairs_ttft_per_prompt():
+def test_summary_pairs_ttft_per_prompt_within_one_run():
     recs = []
-    for i, (e, m) in enumerate([(10.0, 5.0), (20.0, 10.0), (30.0, 10.0)]):
+    # The last prompt's exact record came from another run (a reused cache): its time is not paired.
+    for i, (e, m, run) in enumerate([(10.0, 5.0, "a"), (20.0, 10.0, "a"), (30.0, 10.0, "a"), (40.0, 1.0, "b")]):
         base = {"task": "t", "length": 8, "index": i, "prompt": str(i), "depth": 0.5, "score": 100.0}
-        recs += [{**base, "method": "exact", "ttft_s": e}, {**base, "method": "m", "ttft_s": m}]
+        recs += [{**base, "method": "exact", "ttft_s": e, "run": run}, {**base, "method": "m", "ttft_s": m, "run": "a"}]
     rows = {r["method"]: r for r in summarise(recs)["results"]}
-    assert rows["m"]["ttft_speedup"] == 2.0 and rows["exact"]["ttft_speedup"] == 1.0
+    assert rows["m"]["ttft_speedup"] == 2.0 and rows["m"]["ttft_pairs"] == 3 and rows["m"]["samples"] == 4
+    assert rows["exact"]["ttft_speedup"] == 1.0
 
 
 def test_cache_key_names_what_a_record_was_computed_with():

@@ -197,6 +197,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(report.niah_table(summary["niah_pooled"], ppl))
         for line in report.needle_lines(summary["niah_pooled"]):
             print(line)
+    print(report.SPEED_NOTE)
     for r in recovered:
         where = f"{r['task']} @ {r['length']}"
         print(f"ridge - identity in the filled region, {where}: {r['points']:+.1f} points (n={r['samples']})")

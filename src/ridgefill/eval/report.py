@@ -10,6 +10,20 @@ from pathlib import Path
 from ridgefill.eval.runner import DEPTH_BUCKETS, breakdown_case
 
 
+def speed_cell(r: dict) -> str:
+    """The side TTFT figure of a summary row: n/a where no prompt had exact and the method timed in
+    one process (exact's records came from a cache made by another run)."""
+    if r.get("ttft_speedup") is not None:
+        return f"{r['ttft_speedup']:.2f}x"
+    return "" if r["method"] == "exact" else "n/a"
+
+
+SPEED_NOTE = (
+    "TTFT x: median paired ratio over prompts where exact and the method ran in this process (n/a: exact's records "
+    "came from the cache); `ridgefill bench` gives the clean figure"
+)
+
+
 def markdown(results: list[dict], ppl: list[dict] | None = None) -> str:
     lines = [
         "| task | length | method | n | score | delta vs exact [95% CI] | TTFT x | " + " | ".join(DEPTH_BUCKETS) + " |",
@@ -20,7 +34,7 @@ def markdown(results: list[dict], ppl: list[dict] | None = None) -> str:
             "" if r["method"] == "exact" else f"{r['delta_vs_exact']:+.1f} [{r['ci95'][0]:+.1f}, {r['ci95'][1]:+.1f}]"
         )
         depth = " | ".join("-" if r["by_depth"][b] is None else f"{r['by_depth'][b]:.0f}" for b in DEPTH_BUCKETS)
-        speed = "" if r.get("ttft_speedup") is None else f"{r['ttft_speedup']:.2f}x"
+        speed = speed_cell(r)
         lines.append(
             f"| {r['task']} | {r['length']} | {r['method']} | {r['samples']} | {r['score']:.1f} | {delta} | {speed} "
             f"| {depth} |"
@@ -48,7 +62,7 @@ def niah_table(pooled: list[dict], ppl: list[dict] | None = None) -> str:
             continue
         inc = increase.get((r["method"], r["length"]))
         ppl_txt = "" if inc is None else f"{inc:+.1f}%"
-        speed = "" if r.get("ttft_speedup") is None else f"{r['ttft_speedup']:.2f}x"
+        speed = speed_cell(r)
         lines.append(
             f"| {r['method']} | {r['length']} | {len(r['tasks'])} | {r['samples']} | {r['score']:.1f} | "
             f"{r['exact_score']:.1f} | {r['delta_vs_exact']:+.1f} [{r['ci95'][0]:+.1f}, {r['ci95'][1]:+.1f}] | "

@@ -13,6 +13,7 @@ model/method adapter (`adapter.py`, `dummy.py`).
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -60,6 +61,7 @@ def run_eval(
         done[(r["task"], r["length"], r["index"], r["method"], r["prompt"], r.get("config"))] = r
     cache_path.parent.mkdir(parents=True, exist_ok=True)
     configs = {m: adapter.config(m) for m in adapter.methods}
+    run = uuid.uuid4().hex[:12]  # which records were timed in this process (see `_paired`)
     records = []
     jobs = [(t, n) for t in tasks for n in lengths]
     bar = tqdm(total=len(jobs) * samples * len(configs), desc=f"eval {adapter.name}", unit="run")
@@ -90,6 +92,7 @@ def run_eval(
                             "ttft_s": res.ttft_s,
                             "run_s": res.run_s,
                             "decode_batch": res.decode_batch,
+                            "run": run,
                             **res.info,
                         }
                         cache_file.write(json.dumps(done[k]) + "\n")
@@ -103,7 +106,10 @@ def run_eval(
 def _paired(rows: dict[tuple, dict], exact: dict[tuple, dict]) -> dict:
     """Score, paired delta vs exact with its bootstrap CI, and median paired TTFT ratio of some records."""
     paired = [rows[k]["score"] - exact[k]["score"] for k in rows if k in exact]
-    speed = sorted(exact[k]["ttft_s"] / rows[k]["ttft_s"] for k in rows if k in exact and rows[k]["ttft_s"] > 0)
+    # TTFT ratios only from prompts whose exact and method records were timed in one process: a
+    # reused cache can hold exact's records from another session, on a busier or idler machine.
+    timed = [k for k in rows if k in exact and rows[k]["ttft_s"] > 0 and rows[k].get("run") is not None]
+    speed = sorted(exact[k]["ttft_s"] / rows[k]["ttft_s"] for k in timed if exact[k].get("run") == rows[k]["run"])
     scores = [r["score"] for r in rows.values()]
     return {
         "samples": len(rows),
@@ -111,8 +117,9 @@ def _paired(rows: dict[tuple, dict], exact: dict[tuple, dict]) -> dict:
         "delta_vs_exact": round(sum(paired) / len(paired), 2) if paired else None,
         "ci95": _bootstrap_ci(paired),
         "exact_score": round(sum(exact[k]["score"] for k in rows if k in exact) / len(paired), 2) if paired else None,
-        # Paired per prompt; a reused cache may pair different processes (bench is the clean figure).
+        # A side figure (decode and scoring share the process); `ridgefill bench` is the clean one.
         "ttft_speedup": round(speed[len(speed) // 2], 3) if speed else None,
+        "ttft_pairs": len(speed),
         "needle_rows": needle_breakdown(rows, exact),
     }
 
