@@ -166,7 +166,15 @@ def test_niah_tasks_pool_per_method_and_pair_with_exact():
         ("vt", [(100, 0)]),
     ]:
         for i, (e, m) in enumerate(scores):
-            base = {"task": task, "length": 8, "index": i, "prompt": f"{task}{i}", "depth": 0.5, "ttft_s": 1.0}
+            base = {
+                "task": task,
+                "length": 8,
+                "index": i,
+                "prompt": f"{task}{i}",
+                "depth": 0.5,
+                "ttft_s": 1.0,
+                "run": "r",
+            }
             recs += [{**base, "method": "exact", "score": float(e)}, {**base, "method": "m", "score": float(m)}]
     pooled = {r["method"]: r for r in summarise(recs)["niah_pooled"]}
     m = pooled["m"]
