@@ -14,6 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ridgefill.errors import RidgefillError
+from ridgefill.eval.report import speed_cell
 from ridgefill.eval.runner import read_records, summarise
 from ridgefill.methods import parse_method, settings_for
 from ridgefill.methods.fill import ADDED_LATER
@@ -135,7 +136,7 @@ def markdown(table: list[dict]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in table:
         ppl = "" if r["ppl_increase_pct"] is None else f"{r['ppl_increase_pct']:+.1f}% ({r['ppl_docs']} docs)"
-        speed = "" if r["ttft_speedup"] is None else f"{r['ttft_speedup']:.2f}x"
+        speed = speed_cell(r)
         delta = f"{r['delta_vs_exact']:+.1f} [{r['ci95'][0]:+.1f}, {r['ci95'][1]:+.1f}]"
         knobs = [_knob(r[k]) for k in KNOBS]
         cells = [
