@@ -19,8 +19,8 @@ def speed_cell(r: dict) -> str:
 
 
 SPEED_NOTE = (
-    "TTFT x: median paired ratio over prompts where exact and the method ran in this process (n/a: exact's records "
-    "came from the cache); `ridgefill bench` gives the clean figure"
+    "TTFT x: median paired ratio over prompts where exact and the method were timed in one run (n/a: exact's records "
+    "came from another run's cache); `ridgefill bench` gives the clean figure"
 )
 
 
