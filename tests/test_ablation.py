@@ -58,7 +58,7 @@ def test_rows_carry_settings_paired_figures_and_command(tmp_path):
     with pytest.raises(RidgefillError, match="bad value in 'drop=x'"):
         ablation.label_settings("ridge:drop=x", {})
     table = ablation.markdown(rows)
-    assert "| tiny | plain fill | ridge | 15 | 256 | 4 | 0 | 32 | 0 | 0 | 1 | 4 | 25.0 | 75.0 | -50.0 [" in table
+    assert "| tiny | plain fill | ridge | 15 | 256 | 4 | 0 | 32 | 0 | 0 | 1 | - | 4 | 25.0 | 75.0 | -50.0 [" in table
     # Settings recorded before a field existed read as its old meaning (query_sentence: 0, off).
     path = _write(tmp_path, name="recorded.json")
     doc = json.loads(path.read_text())
@@ -66,6 +66,20 @@ def test_rows_carry_settings_paired_figures_and_command(tmp_path):
     doc["method_settings"] = {m: {k: v for k, v in s.items() if k != "query_sentence"} for m, s in old.items()}
     path.write_text(json.dumps(doc))
     assert [r["query_sentence"] for r in ablation.rows(path)] == [0, 0, 0]
+    # The maps' calibration, as eval records it, names the fit directions (facts, K/V space).
+    doc["method_settings"]["ridge"]["maps_calib"] = {"tokens": 16384, "facts": 16, "corpus": "c"}
+    doc["method_settings"]["identity:split=13:drop=0.5"].update(method="kva", maps_calib={"tokens": 65536, "facts": 0})
+    path.write_text(json.dumps(doc))
+    ridge, wide, kva = ablation.rows(path)
+    assert (ridge["direction"], ridge["calibration"]) == ("facts in calibration", "16K + 16 facts/seg")
+    assert (kva["direction"], kva["calibration"], wide["calibration"]) == (
+        "dropped bulk rows + fit in K/V space",
+        "64K",
+        None,
+    )
+    assert "| facts in calibration | ridge | 15 | 256 | 4 | 0 | 32 | 0 | 0 | 1 | 16K + 16 facts/seg | 4 |" in (
+        ablation.markdown([ridge])
+    )
 
 
 def test_old_files_pool_from_their_cache_only_when_it_reproduces_them(tmp_path):

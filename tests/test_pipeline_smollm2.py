@@ -55,6 +55,7 @@ def test_bench_writes_paired_results(maps_dir, tmp_path):
     assert rows["exact"]["speedup"] == 1.0 and rows["exact"]["flop_bound"] == 1.0
     ran = data["config"]["method_settings"]
     assert ran["ridge"]["split"] == ran["ridge"]["maps_split"] == 15 and ran["kva"]["method"] == "kva"
+    assert ran["ridge"]["maps_calib"]["facts"] == 0 and ran["ridge"]["maps_calib"]["tokens"] > 0
     assert rows["ridge"]["flop_bound"] > 1.0 and rows["ridge"]["full_rows"] == 4 + 256
 
 

@@ -116,6 +116,12 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--methods", default="ridge,kva", help="ridge and/or kva")
     f.add_argument("--corpus", default=None, help="text file, .jsonl or folder (default: Python 3.11 docs)")
     f.add_argument("--calib-tokens", type=int, default=16384)
+    f.add_argument(
+        "--calib-facts",
+        type=int,
+        default=0,
+        help="retrieval-like key-value facts spliced into each calibration segment (default 0: text as it is)",
+    )
     f.add_argument("--heldout-tokens", type=int, default=4096, help="held-out tokens for choosing lambda")
     f.add_argument("--segment-tokens", type=int, default=2048)
     f.add_argument("--out", type=Path, default=None, help="map folder (default: the model's cache folder)")

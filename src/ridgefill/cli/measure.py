@@ -16,7 +16,9 @@ def cmd_fit(args: argparse.Namespace) -> int:
 
     lm = load_model(args.model, dtype=args.dtype)
     splits = ints(args.splits) or (lm.num_layers // 3, lm.num_layers // 2, 2 * lm.num_layers // 3)
-    cfg = FitConfig(splits=splits, methods=names(args.methods), segment_tokens=args.segment_tokens)
+    cfg = FitConfig(
+        splits=splits, methods=names(args.methods), segment_tokens=args.segment_tokens, facts=args.calib_facts
+    )
     paths, report = fit_from_corpus(lm, cfg, args.corpus, args.calib_tokens, args.heldout_tokens, args.out)
     print(
         f"fitted {len(paths)} map files on {report['calib_tokens']} calibration tokens in {report['seconds']} s, "

@@ -45,7 +45,11 @@ def direction(s: dict) -> str:
         parts.append("sparse lower layers")
     if s.get("tail", 256) != 256 or s.get("sink", 4) != 4:
         parts.append("tail/sinks")
-    base = "plain fill" if s["method"] in ("identity", "ridge", "kva") else s["method"]
+    if (s.get("maps_calib") or {}).get("facts"):
+        parts.append("facts in calibration")
+    if s["method"] == "kva":
+        parts.append("fit in K/V space")
+    base = "plain fill" if s["method"] in ("identity", "ridge") else s["method"]
     return " + ".join(parts) if parts else base
 
 
@@ -97,6 +101,7 @@ def rows(path: str | Path) -> list[dict]:
                 "fill": s["method"],
                 "direction": direction(s),
                 **{k: s.get(k, ADDED_LATER.get(k) if "query_rows" in s else None) for k in KNOBS},
+                "calibration": _calibration(s.get("maps_calib")),
                 "length": r["length"],
                 "tasks": r["tasks"],
                 "samples": r["samples"],
@@ -114,6 +119,15 @@ def rows(path: str | Path) -> list[dict]:
     return out
 
 
+def _calibration(calib: dict | None) -> str | None:
+    """The maps' calibration as the table shows it, e.g. "16K" or "16K + 16 facts/seg"; None when
+    the results file predates the record (or the method reads no maps)."""
+    if not calib or not calib.get("tokens"):
+        return None
+    text = f"{calib['tokens'] // 1024}K"
+    return text + (f" + {calib['facts']} facts/seg" if calib.get("facts") else "")
+
+
 def _knob(value) -> str:
     return "-" if value is None else f"{value:g}"
 
@@ -125,6 +139,7 @@ def markdown(table: list[dict]) -> str:
         "direction",
         "fill",
         *KNOBS,
+        "calibration",
         "n",
         "NIAH",
         "exact",
@@ -144,6 +159,7 @@ def markdown(table: list[dict]) -> str:
             r["direction"],
             r["fill"],
             *knobs,
+            r.get("calibration") or "-",
             str(r["samples"]),
             f"{r['niah']:.1f}",
             f"{r['exact_niah']:.1f}",

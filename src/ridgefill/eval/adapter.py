@@ -33,12 +33,18 @@ DECODE = (
 
 
 def spec_settings(spec: MethodSpec) -> dict:
-    """A method's full settings as written in results files: its name, every settings field and
-    the split of the maps it reads."""
+    """A method's full settings as written in results files: its name, every settings field, and
+    the split and calibration (tokens, facts per segment, corpus) of the maps it reads."""
     settings, maps = spec.kwargs.get("settings"), spec.kwargs.get("maps")
     out = {"method": spec.method, **(asdict(settings) if is_dataclass(settings) else {})}
     if maps is not None:
+        fit = maps.header.get("fit", {})
         out["maps_split"] = maps.split
+        out["maps_calib"] = {
+            "tokens": fit.get("calib_tokens"),
+            "facts": fit.get("facts", 0),
+            "corpus": maps.header.get("corpus", {}).get("id"),
+        }
     return out
 
 

@@ -39,6 +39,8 @@ class FitConfig:
         normed_targets: ridge predicts each deep input divided by its RMS. Every deep layer
             reads its input through an RMSNorm, which ignores scale, so only the direction
             matters; fitting it keeps a few large-norm rows and channels from dominating the loss.
+        facts: retrieval-like key-value facts spliced into each calibration segment (fit/facts.py);
+            0 fits on the text as it is.
     """
 
     splits: tuple[int, ...] = (10, 15, 20)
@@ -48,6 +50,7 @@ class FitConfig:
     skip_first: int = 4
     outlier_factor: float = 8.0
     normed_targets: bool = True
+    facts: int = 0
 
 
 def fit_rows(h_split: torch.Tensor, skip_first: int, outlier_factor: float) -> torch.Tensor:
@@ -128,6 +131,8 @@ def _validate(lm: LoadedModel, cfg: FitConfig) -> None:
     for s in cfg.splits:
         if not 1 <= s <= lm.num_layers - 2:
             raise RidgefillError(f"split {s} is outside 1..{lm.num_layers - 2} for {lm.name} ({lm.num_layers} layers)")
+    if cfg.facts < 0:
+        raise RidgefillError(f"facts per calibration segment must be >= 0, got {cfg.facts}")
     if cfg.segment_tokens > lm.context_length:
         raise RidgefillError(f"segment_tokens {cfg.segment_tokens} exceeds the context of {lm.context_length}")
 
@@ -183,7 +188,7 @@ def fit_maps(
                 "model": fingerprint(lm),
                 "model_name": lm.name,
                 "fit": {
-                    **asdict(cfg),
+                    **_header_cfg(cfg),
                     "calib_tokens": sum(map(len, calib)),
                     "heldout_tokens": sum(map(len, heldout)),
                     "calib_rows": train[s].rows,  # tokens left after the sink/outlier rule
@@ -203,6 +208,15 @@ def fit_maps(
         heldout_tokens=sum(map(len, heldout)),
     )
     return maps, report
+
+
+def _header_cfg(cfg: FitConfig) -> dict:
+    """The config as map headers hold it: `facts` only when used, so maps fitted as before keep the
+    header (and eval cache keys) they always had."""
+    out = asdict(cfg)
+    if not cfg.facts:
+        del out["facts"]
+    return out
 
 
 def _solve(
@@ -259,11 +273,13 @@ def fit_from_corpus(
     Returns (map paths, report with the corpus provenance).
     """
     from ridgefill.corpus import load_corpus, token_segments
+    from ridgefill.fit.facts import with_facts
     from ridgefill.fit.maps import default_maps_dir, maps_filename, save_maps
 
     docs = load_corpus(corpus)
     seg = cfg.segment_tokens
     calib, calib_docs = token_segments(lm.tokenizer, docs.part("calib"), seg, calib_tokens)
+    calib = with_facts(lm.tokenizer, calib, cfg.facts)
     heldout, heldout_docs = token_segments(lm.tokenizer, docs.part("heldout"), seg, heldout_tokens)
     provenance = {"id": docs.id, "calib_documents": calib_docs, "heldout_documents": heldout_docs}
     maps, report = fit_maps(lm, calib, heldout, cfg, provenance)
