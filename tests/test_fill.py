@@ -125,6 +125,26 @@ def test_fit_beats_identity_on_heldout(fitted):
     assert maps["kva"].weights[2].shape == (65, 2 * 2 * 16)
 
 
+def test_calibration_facts_keep_segment_length_and_headers(fitted, smollm2):
+    """Facts are spliced in, not appended; a fit without them keeps the header it always had."""
+    from ridgefill.fit.facts import with_facts
+
+    tok = smollm2.tokenizer
+    segs = [tok(TEXT[i * 3000 : (i + 1) * 3000], add_special_tokens=False)["input_ids"][:256] for i in range(3)]
+    mixed = with_facts(tok, segs, 4, seed=1)
+    assert [len(s) for s in mixed] == [256] * 3 and mixed != segs
+    assert mixed == with_facts(tok, segs, 4, seed=1) and with_facts(tok, segs, 0) is segs
+    assert mixed[0][:16] == segs[0][:16]  # the sinks the fit skips are left alone
+    text = tok.decode(mixed[0])
+    assert sum(w in text for w in ("access code", "Note:", "Record", "registered", '": ', "locker")) >= 1
+    assert "special magic" not in text  # never RULER's needle sentence
+    _, maps, _ = fitted
+    assert "facts" not in maps["ridge"].header["fit"]
+    lm = make_tiny("llama")
+    with pytest.raises(RidgefillError, match="facts"):
+        fit_maps(lm, _byte_segments(2, 96), _byte_segments(1, 96), FitConfig(splits=(1,), segment_tokens=96, facts=-1))
+
+
 def test_map_file_round_trip_and_errors(fitted, tmp_path):
     lm, maps, _ = fitted
     path = save_maps(maps["ridge"], tmp_path / "m.safetensors")
@@ -318,3 +338,51 @@ def test_batched_decode_equals_one_by_one(tiny):
         assert [hf.batch_signature(layer) for layer in batch[3].prefill.cache.layers] != full
         with pytest.raises(RidgefillError, match="same keys"):
             hf.stack_caches([batch[0].prefill.cache, batch[3].prefill.cache])
+
+
+def test_resumed_top_layers_run_every_row(tiny):
+    """`resume`: from that layer up every (kept) row runs again. At the resume layer itself the bulk
+    K/V equal the fill's (its input norm ignores the rescale, but for its eps), bulk rows now have logits, the cache
+    holds every row, and the FLOP model counts the resumed layers at full cost."""
+    from ridgefill.bench.flops import plan_macs
+
+    ids = _ids(96)
+    eng = Engine(tiny)
+    plain = FillSettings(split=1, sink=2, tail=8, outlier_factor=None)
+    base = run_prefill(eng, ids, "identity", settings=plain)
+    top = run_prefill(
+        eng, ids, "identity", settings=FillSettings(split=1, sink=2, tail=8, outlier_factor=None, resume=3)
+    )
+    _assert_same(top, base, 3)  # resume at the top resumes nothing
+    res = run_prefill(
+        eng, ids, "identity", settings=FillSettings(split=1, sink=2, tail=8, outlier_factor=None, resume=2),
+        logit_rows=torch.tensor([40, 95]),
+    )  # fmt: skip
+    for i in range(3):
+        for x, y in zip(hf.cache_kv(res.cache, i), hf.cache_kv(base.cache, i), strict=True):
+            torch.testing.assert_close(x, y, atol=2e-3, rtol=2e-3)  # the norm's eps sees the new scale
+    torch.testing.assert_close(res.logits[1:], base.logits, atol=2e-3, rtol=2e-3)
+    assert res.logits.shape[0] == 2 and res.meta["full_rows"] == 10 and res.meta["plan"]["resume"] == 2
+    with pytest.raises(RidgefillError, match="filled"):
+        run_prefill(eng, ids, "identity", settings=plain, logit_rows=torch.tensor([40]))
+    parts, plan = tiny.parts, res.meta["plan"]
+    assert (
+        plan_macs(parts, 96, {**plan, "resume": 3})
+        < plan_macs(parts, 96, plan)
+        < plan_macs(parts, 96, {**plan, "resume": 1})
+    )
+    # with dropped rows, resumed layers hold the kept rows only, at the prompt's true length
+    dropped = FillSettings(split=1, sink=2, tail=8, outlier_factor=None, drop=0.5, block=8, resume=2)
+    got = run_prefill(eng, ids, "identity", settings=dropped)
+    assert hf.cache_kv(got.cache, 2)[0].shape[2] == len(got.meta["plan"]["deep_keys"]) < 96 or any(
+        lp.sliding_window for lp in parts.layers
+    )
+    for bad in (1, 4):
+        with pytest.raises(RidgefillError, match="resume"):
+            FillSettings(split=1, resume=bad).check(3)
+
+
+def test_kva_cannot_resume(fitted):
+    lm, maps, _ = fitted
+    with pytest.raises(RidgefillError, match="cannot resume"):
+        run_prefill(Engine(lm), _ids(64), "kva", maps=maps["kva"], settings=FillSettings(split=1, tail=8, resume=2))

@@ -55,18 +55,25 @@ def plan_macs(parts: ModelParts, n: int, plan: dict) -> int:
     plan keys: `split` (layers below it run every row), `full` (positions that run the deep layers),
     `filled` (bulk rows whose deep K/V are filled), `fill` (identity, ridge, kva or none),
     `deep_keys` (sorted key positions the deep layers' full rows see; default full + every filled
-    row, i.e. all rows), and `lower_pairs` (visible query-key pairs per lower full-attention layer
-    under a sparse kernel; default dense).
+    row, i.e. all rows), `lower_pairs` (visible query-key pairs per lower full-attention layer
+    under a sparse kernel; default dense) and `resume` (layers from it up run every kept row, the
+    bulk rows from a predicted input; default none).
     """
     d = parts.hidden_size
     split, full, n_fill, fill = plan["split"], plan["full"], plan["filled"], plan["fill"]
     full = torch.as_tensor(full, dtype=torch.long)
     keys = plan.get("deep_keys")
     lower_pairs = list(plan.get("lower_pairs") or [])
-    total = 0
+    resume = plan.get("resume") or len(parts.layers)
+    total = n_fill * (d + 1) * d if fill == "ridge" and resume < len(parts.layers) else 0  # resume's input
     for i, lp in enumerate(parts.layers):
         c = layer_costs(parts, i)
         per_attn_pair = lp.num_heads * lp.head_dim * 2
+        if i >= resume:
+            rows = torch.arange(n) if keys is None else torch.as_tensor(keys, dtype=torch.long)
+            total += len(rows) * (c["q"] + c["kv"] + c["o"] + c["mlp"])
+            total += _attn_macs(rows, lp.sliding_window, lp.num_heads, lp.head_dim, keys)
+            continue
         if i < split:
             total += n * (c["q"] + c["kv"] + c["o"] + c["mlp"])
             if lower_pairs and lp.sliding_window is None:

@@ -33,7 +33,7 @@ FILL_METHODS = ("identity", "ridge", "kva")
 
 # Settings fields added after results and caches were committed, with the value older records
 # mean by leaving them out (eval cache keys omit them at that value; ablation rows fill them in).
-ADDED_LATER = {"query_sentence": 0}
+ADDED_LATER = {"query_sentence": 0, "resume": None}
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,11 @@ class FillSettings:
         sparse_keep: fraction of causal key blocks the layers below the split attend to
             (block-sparse, methods/gate.py); 1 is dense.
         block: tokens per block for `drop` and `sparse_keep`.
+        resume: issue 5's "sensitive layers": layers [resume, num_layers) run every row again
+            (every kept row, with `drop`). Bulk rows enter layer `resume` with the fill's prediction
+            of its input (the split state for identity), rescaled to the full rows' median RMS
+            there (the maps predict a direction: see FitConfig.normed_targets). Only layers
+            [split, resume) are filled. None fills up to the top; kva (no input prediction) refuses it.
     """
 
     split: int = 15
@@ -72,6 +77,7 @@ class FillSettings:
     drop: float = 0.0
     sparse_keep: float = 1.0
     block: int = 64
+    resume: int | None = None
 
     @property
     def dense_below(self) -> int:
@@ -88,6 +94,12 @@ class FillSettings:
         if not 0 <= self.drop < 1 or self.block < 1:
             raise RidgefillError(f"drop must be in [0, 1) and block >= 1, got drop {self.drop}, block {self.block}")
         check_fraction("sparse_keep", self.sparse_keep)
+        if self.resume is not None and not self.split < self.resume <= num_layers:
+            raise RidgefillError(f"resume {self.resume} must be above the split {self.split} and at most {num_layers}")
+
+    def top(self, num_layers: int) -> int:
+        """First layer where every row runs again (num_layers when nothing resumes)."""
+        return num_layers if self.resume is None else self.resume
 
 
 def full_rows(h_split: torch.Tensor, n: int, s: FillSettings) -> torch.Tensor:
@@ -101,12 +113,21 @@ def full_rows(h_split: torch.Tensor, n: int, s: FillSettings) -> torch.Tensor:
 
 
 def _bulk_kv(
-    engine: Engine, method: str, x: torch.Tensor, pos: torch.Tensor, split: int, maps: FillMaps | None, tables
-) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """K/V of the bulk rows for every deep layer. x: (1, Nb, d) split states at positions `pos`."""
+    engine: Engine,
+    method: str,
+    x: torch.Tensor,
+    pos: torch.Tensor,
+    split: int,
+    maps: FillMaps | None,
+    tables,
+    top: int,
+) -> tuple[dict[int, tuple[torch.Tensor, torch.Tensor]], torch.Tensor | None]:
+    """K/V of the bulk rows for deep layers split..top-1, and the predicted input of layer `top`
+    ((1, Nb, d); None when top is the last layer + 1). x: (1, Nb, d) split states at positions `pos`."""
     parts = engine.parts
     out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    deep = list(range(split + 1, parts.num_layers))
+    deep = list(range(split + 1, top))
+    resume_in = None
 
     def rope(i):
         cos, sin = tables[parts.layers[i].layer_type]
@@ -117,10 +138,13 @@ def _bulk_kv(
     if method == "identity":
         for i in deep:
             out[i] = engine.project_kv(i, parts.layers[i].input_norm(x), *rope(i))
-        return out
+        return out, (x if top < parts.num_layers else None)
     w, b = maps.stacked(x.dtype)
-    y = torch.addmm(b, x[0], w)  # (Nb, L_deep * out): every deep layer in one GEMM
-    width = y.shape[1] // len(deep)
+    width = w.shape[1] // (parts.num_layers - split - 1)
+    upto = (min(top, parts.num_layers - 1) - split) * width  # layers split+1..top (top's input only to resume)
+    y = torch.addmm(b[:upto], x[0], w[:, :upto])  # (Nb, layers * out): the deep layers in one GEMM
+    if top < parts.num_layers:
+        resume_in = y[None, :, upto - width :]
     for j, i in enumerate(deep):
         yi = y[None, :, j * width : (j + 1) * width]  # (1, Nb, out)
         if method == "ridge":
@@ -129,7 +153,7 @@ def _bulk_kv(
             lp = parts.layers[i]
             k, v = yi.view(1, -1, 2, lp.num_kv_heads, lp.head_dim).unbind(2)
             out[i] = apply_rope(k.transpose(1, 2), *rope(i)), v.transpose(1, 2).contiguous()
-    return out
+    return out, resume_in
 
 
 @torch.inference_mode()
@@ -163,6 +187,8 @@ def prefill_fill(
             raise RidgefillError(f"these maps are for {maps.method!r}, not {method!r}")
         maps.check_model(engine.lm)
         s = replace(s, split=maps.split)
+    if method == "kva" and s.resume is not None:
+        raise RidgefillError("kva predicts K/V, not layer inputs, so it cannot resume full layers (resume)")
     parts = engine.parts
     s.check(parts.num_layers)
     n = engine.check_prompt(input_ids)
@@ -198,16 +224,21 @@ def prefill_fill(
             want = round((1 - s.drop) * int(bulk.sum())) - int(held.sum())
             bulk = held | top_blocks(scores, bulk & ~held, max(0, want), s.block)
     fpos, bpos = full.nonzero().squeeze(1), bulk.nonzero().squeeze(1)
+    full_pos = fpos
     kept = None if s.drop == 0 else (full | bulk).nonzero().squeeze(1)
-    filled = _bulk_kv(engine, method, h[:, bpos], bpos, s.split, maps, tables)
+    top = s.top(parts.num_layers)
+    filled, resume_in = _bulk_kv(engine, method, h[:, bpos], bpos, s.split, maps, tables, top)
     hfull = h[:, fpos]
-    for i in range(s.split, parts.num_layers):
+    for i in range(s.split, top):
         hfull, k, v, _ = engine.layer(i, hfull, fpos, tables, extra_kv=(*filled.pop(i), bpos))
         hf.cache_update(cache, k, v, i, true_length=None if kept is None else n)
+    if resume_in is not None:
+        hfull, fpos = _resume(engine, hfull, fpos, resume_in, bpos, s, tables, cache, n if kept is not None else None)
     logits, rows = engine.logits_at(hfull, fpos, logit_rows, "were filled, not run fully")
     plan = {
         "split": s.split,
-        "full": fpos,
+        "resume": top,
+        "full": full_pos,
         "filled": len(bpos),
         "fill": method,
         "deep_keys": kept,
@@ -215,6 +246,21 @@ def prefill_fill(
     }
     attn_s = st.attn_seconds + engine.attn_seconds - a0
     meta.update(
-        ran_exact=False, full_rows=len(fpos), bulk_rows=len(bpos), full_positions=fpos, plan=plan, attn_s=attn_s
+        ran_exact=False, full_rows=len(full_pos), bulk_rows=len(bpos), full_positions=full_pos, plan=plan, attn_s=attn_s
     )
     return PrefillResult(cache, logits, rows, n, st.seconds + time.perf_counter() - t0, method, meta)
+
+
+def _resume(engine: Engine, hfull, fpos, resume_in, bpos, s: FillSettings, tables, cache, true_length):
+    """Layers [s.resume, L) on every row: full rows carry on from their states, bulk rows start from
+    the predicted input `resume_in` (1, Nb, d) at the full rows' median RMS. Returns the final states
+    of all rows and their sorted positions."""
+    rms = hfull[0].float().pow(2).mean(-1).sqrt()[fpos >= s.sink]  # sinks carry massive activations
+    scale = rms.median() if rms.numel() else resume_in.float().pow(2).mean(-1).sqrt().median()
+    bulk_in = resume_in * (scale / resume_in.float().pow(2).mean(-1, keepdim=True).sqrt().clamp(min=1e-6))
+    pos, order = torch.cat([fpos, bpos]).sort()
+    h = torch.cat([hfull, bulk_in.to(hfull.dtype)], dim=1)[:, order]  # (1, F + Nb, d) in position order
+    for i in range(s.top(engine.parts.num_layers), engine.parts.num_layers):
+        h, k, v, _ = engine.layer(i, h, pos, tables)
+        hf.cache_update(cache, k, v, i, true_length=true_length)
+    return h, pos
