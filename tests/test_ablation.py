@@ -58,7 +58,9 @@ def test_rows_carry_settings_paired_figures_and_command(tmp_path):
     with pytest.raises(RidgefillError, match="bad value in 'drop=x'"):
         ablation.label_settings("ridge:drop=x", {})
     table = ablation.markdown(rows)
-    assert "| tiny | plain fill | ridge | 15 | 256 | 4 | 0 | 32 | 0 | 0 | 1 | - | 4 | 25.0 | 75.0 | -50.0 [" in table
+    assert (
+        "| tiny | plain fill | ridge | 15 | 256 | 4 | 0 | 32 | 0 | 0 | 1 | - | - | 4 | 25.0 | 75.0 | -50.0 [" in table
+    )
     # Settings recorded before a field existed read as its old meaning (query_sentence: 0, off).
     path = _write(tmp_path, name="recorded.json")
     doc = json.loads(path.read_text())
@@ -68,16 +70,18 @@ def test_rows_carry_settings_paired_figures_and_command(tmp_path):
     assert [r["query_sentence"] for r in ablation.rows(path)] == [0, 0, 0]
     # The maps' calibration, as eval records it, names the fit directions (facts, K/V space).
     doc["method_settings"]["ridge"]["maps_calib"] = {"tokens": 16384, "facts": 16, "corpus": "c"}
+    doc["method_settings"]["ridge:query_rows=512:tail=512"]["resume"] = 25
     doc["method_settings"]["identity:split=13:drop=0.5"].update(method="kva", maps_calib={"tokens": 65536, "facts": 0})
     path.write_text(json.dumps(doc))
     ridge, wide, kva = ablation.rows(path)
     assert (ridge["direction"], ridge["calibration"]) == ("facts in calibration", "16K + 16 facts/seg")
+    assert wide["direction"] == "query-aware rows + tail/sinks + resumed top layers" and wide["resume"] == 25
     assert (kva["direction"], kva["calibration"], wide["calibration"]) == (
         "dropped bulk rows + fit in K/V space",
         "64K",
         None,
     )
-    assert "| facts in calibration | ridge | 15 | 256 | 4 | 0 | 32 | 0 | 0 | 1 | 16K + 16 facts/seg | 4 |" in (
+    assert "| facts in calibration | ridge | 15 | 256 | 4 | 0 | 32 | 0 | 0 | 1 | - | 16K + 16 facts/seg | 4 |" in (
         ablation.markdown([ridge])
     )
 
@@ -96,9 +100,14 @@ def test_old_files_pool_from_their_cache_only_when_it_reproduces_them(tmp_path):
     cache.write_text("".join(json.dumps(r) + "\n" for r in flipped))
     with pytest.raises(RidgefillError, match="does not reproduce"):
         ablation.rows(path)
-    mixed = _records() + [{**_records()[1], "config": "other"}]
-    cache.write_text("".join(json.dumps(r) + "\n" for r in mixed))
-    with pytest.raises(RidgefillError, match="several configurations of ridge"):
+    # A later run of the same label under another configuration (e.g. refitted maps) is passed over:
+    # the first configuration that reproduces the file is used, whichever comes first in the cache.
+    later = [{**r, "config": "other", "score": 100.0 - r["score"]} for r in _records() if r["method"] == "ridge"]
+    for records in (_records() + later, later + _records()):
+        cache.write_text("".join(json.dumps(r) + "\n" for r in records))
+        assert [r["niah"] for r in ablation.rows(path)] == [25.0, 75.0, 75.0]
+    cache.write_text("".join(json.dumps(r) + "\n" for r in [*flipped, *later]))
+    with pytest.raises(RidgefillError, match="does not reproduce .*ridge"):
         ablation.rows(path)
 
 

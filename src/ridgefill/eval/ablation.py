@@ -19,7 +19,7 @@ from ridgefill.eval.runner import read_records, summarise
 from ridgefill.methods import parse_method, settings_for
 from ridgefill.methods.fill import ADDED_LATER
 
-KNOBS = ("split", "tail", "sink", "query_rows", "query_window", "query_sentence", "drop", "sparse_keep")
+KNOBS = ("split", "tail", "sink", "query_rows", "query_window", "query_sentence", "drop", "sparse_keep", "resume")
 
 
 def label_settings(label: str, settings: dict) -> dict:
@@ -45,6 +45,8 @@ def direction(s: dict) -> str:
         parts.append("sparse lower layers")
     if s.get("tail", 256) != 256 or s.get("sink", 4) != 4:
         parts.append("tail/sinks")
+    if s.get("resume") is not None:
+        parts.append("resumed top layers")
     if (s.get("maps_calib") or {}).get("facts"):
         parts.append("facts in calibration")
     if s["method"] == "kva":
@@ -60,20 +62,33 @@ def _pooled_from_cache(doc: dict, path: Path) -> list[dict]:
     if not cache.is_file():
         raise RidgefillError(f"{path} has no pooled needle row and its cache {cache} is missing")
     wanted = {(r["method"], r["task"], r["length"]): r["samples"] for r in doc["results"]}
-    records, configs = [], {}
+    groups: dict[str, dict[str | None, list[dict]]] = {}  # method -> config -> records, in cache order
     for r in read_records(cache):
         n = wanted.get((r["method"], r["task"], r["length"]))
         if n is not None and r["index"] < n:
-            records.append(r)
-            configs.setdefault(r["method"], set()).add(r.get("config"))
-    mixed = [m for m, c in configs.items() if len(c) > 1]
-    if mixed:
-        raise RidgefillError(f"{cache} holds several configurations of {', '.join(mixed)}: rerun {path}'s command")
-    summary = summarise(records)
-    got = {(r["method"], r["task"], r["length"]): (r["samples"], r["score"]) for r in summary["results"]}
-    for r in doc["results"]:
-        if got.get((r["method"], r["task"], r["length"])) != (r["samples"], r["score"]):
-            raise RidgefillError(f"{cache} does not reproduce {path} ({r['method']}, {r['task']}): rerun its command")
+            groups.setdefault(r["method"], {}).setdefault(r.get("config"), []).append(r)
+
+    def reproduces(records: list[dict], method: str) -> bool:
+        got = {(r["method"], r["task"], r["length"]): (r["samples"], r["score"]) for r in summarise(records)["results"]}
+        return all(
+            got.get((r["method"], r["task"], r["length"])) == (r["samples"], r["score"])
+            for r in doc["results"]
+            if r["method"] == method
+        )
+
+    # A shared cache may also hold later runs of the same label (refitted maps, other settings):
+    # each method takes the first configuration, in cache order, that reproduces the file.
+    chosen: list[dict] = []
+    for method in sorted(groups, key=lambda m: m != "exact"):  # exact first: the others pair with it
+        base = [r for r in chosen if r["method"] == "exact"]
+        pick = next((recs for recs in groups[method].values() if reproduces(base + recs, method)), None)
+        if pick is None:
+            raise RidgefillError(f"{cache} does not reproduce {path} ({method}): rerun its command")
+        chosen += pick
+    missing = {r["method"] for r in doc["results"]} - set(groups)
+    if missing:
+        raise RidgefillError(f"{cache} does not reproduce {path} ({', '.join(sorted(missing))}): rerun its command")
+    summary = summarise(chosen)
     return summary["niah_pooled"]
 
 
