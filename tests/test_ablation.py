@@ -140,3 +140,33 @@ def test_an_eval_run_reads_back_with_each_methods_own_settings(tmp_path):
     (short, deep) = ablation.rows(out)
     assert (short["split"], short["tail"], deep["split"], deep["tail"]) == (15, 64, 20, 256)
     assert short["samples"] == deep["samples"] == 1
+
+
+def test_bench_files_give_each_row_its_clean_ttft(tmp_path):
+    """A row takes the TTFT of the bench row that computed the same configuration (model, length,
+    settings; the maps' calibration aside), from the first bench file listed that has it."""
+    rows = ablation.rows(_write(tmp_path))
+    rows[0]["settings"]["maps_calib"] = {"tokens": 16384, "facts": 16}  # calibration changes no cost
+
+    def bench(name, methods, speedups, settings=True):
+        config = {"split": 15, "sink": 4, "tail": 256, "methods": ["exact", *methods]}
+        if settings:
+            config["method_settings"] = {m: ablation.label_settings(m, config) for m in methods}
+        results = [
+            {"length": 64, "method": m, "speedup": x, "speedup_min": x - 0.1, "speedup_max": x + 0.1, "flop_bound": 2.0}
+            for m, x in zip(methods, speedups, strict=True)
+        ]
+        path = tmp_path / name
+        path.write_text(json.dumps({"model": "tiny", "config": config, "results": results}))
+        return path
+
+    new = bench("new.json", ["ridge"], [1.5])
+    old = bench("old.json", ["ridge", "ridge:query_rows=512:tail=512", "ridge:tail=512"], [1.2, 1.3, 1.4], False)
+    ablation.attach_bench(rows, [new, old])
+    assert [r.get("bench_speedup") for r in rows] == [1.5, 1.3, None]
+    assert rows[0]["bench_source"].endswith("new.json") and rows[1]["bench_range"] == pytest.approx([1.2, 1.4])
+    assert "| 1.50x [1.40-1.60] (bound 2.00x) |" in ablation.markdown(rows[:1])
+    assert ablation.markdown(rows[2:]).count("| - |") >= 1
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(RidgefillError, match="not a `ridgefill bench` results file"):
+        ablation.attach_bench(rows, [tmp_path / "bad.json"])

@@ -53,7 +53,7 @@ EXAMPLES = {
       --out results/eval.json --plots results/eval_plots""",
     "ablation": """examples:
   ridgefill ablation results/eval_smollm2-135m_4k.json results/eval_query_rows.json \\
-      --out results/ablation_smollm2-135m_4k.json""",
+      --bench results/bench_smollm2-135m.json --out results/ablation_smollm2-135m_4k.json""",
     "needles": """examples:
   ridgefill needles --methods ridge:query_rows=512 --split 15 --samples 10
   ridgefill needles --methods ridge:query_rows=512 --split 15 --samples 50 \\
@@ -191,6 +191,13 @@ def _parser() -> argparse.ArgumentParser:
         "ablation", help="one table from several eval results files", epilog=EXAMPLES["ablation"], formatter_class=fmt
     )
     a.add_argument("files", nargs="+", type=Path, help="`ridgefill eval --out` JSON files")
+    a.add_argument(
+        "--bench",
+        nargs="*",
+        type=Path,
+        default=[],
+        help="`ridgefill bench --out` JSON files: a row's clean TTFT from the bench row of the same configuration",
+    )
     a.add_argument("--out", type=Path, default=None, help="JSON output (a .md table is written beside it)")
     a.set_defaults(func=cmd_ablation)
 

@@ -234,7 +234,7 @@ def cmd_ablation(args: argparse.Namespace) -> int:
     from ridgefill.eval import ablation
     from ridgefill.results import command_line, write_json
 
-    table = [row for f in args.files for row in ablation.rows(f)]
+    table = ablation.attach_bench([row for f in args.files for row in ablation.rows(f)], args.bench)
     text = ablation.markdown(table)
     print(text)
     if args.out:

@@ -127,11 +127,71 @@ def rows(path: str | Path) -> list[dict]:
                 "ppl_increase_pct": p.get("ppl_increase_pct"),
                 "ppl_docs": p.get("docs"),
                 "ttft_speedup": r.get("ttft_speedup"),
+                "settings": s,
                 "source": str(path),
                 "command": command,
             }
         )
     return out
+
+
+def _compute_settings(settings: dict) -> dict:
+    """What a configuration computes: its method and settings, with fields recorded before they
+    existed at their old meaning; the maps' calibration is left out (it changes no cost)."""
+    out = {k: v for k, v in settings.items() if k not in ("maps_calib", "maps_split")}
+    if "query_rows" in out:  # a fill configuration
+        out = {**ADDED_LATER, **out}
+    return out
+
+
+def attach_bench(table: list[dict], bench_files: list[str | Path]) -> list[dict]:
+    """Each row's clean TTFT from `ridgefill bench` results files: the bench row of the same model,
+    length and computed configuration, from the first file listed that has one (`bench_speedup`, its
+    min-max, FLOP bound and source); rows without one get none. The eval side figure stays beside it
+    (often n/a: exact's records came from another run's cache)."""
+    runs = []
+    for path in map(Path, bench_files):
+        try:
+            doc = json.loads(path.read_text())
+            config = doc["config"]
+            # bench files written before method_settings existed: settings from the labels
+            settings = config.get("method_settings") or {
+                m: label_settings(m, config) for m in config["methods"] if m != "tuned"
+            }
+            runs += [
+                (doc["model"], r, _compute_settings(settings[r["method"]]), path)
+                for r in doc["results"]
+                if r["method"] in settings
+            ]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise RidgefillError(f"{path} is not a `ridgefill bench` results file ({e})") from None
+    for row in table:
+        want = _compute_settings(row["settings"])
+        hit = next(
+            (
+                (r, path)
+                for model, r, got, path in runs
+                if model == row["model"] and r["length"] == row["length"] and got == want
+            ),
+            None,
+        )
+        if hit is not None:
+            r, path = hit
+            row.update(
+                bench_speedup=r["speedup"],
+                bench_range=[r["speedup_min"], r["speedup_max"]],
+                bench_flop_bound=r.get("flop_bound"),
+                bench_source=str(path),
+            )
+    return table
+
+
+def _bench_cell(r: dict) -> str:
+    if r.get("bench_speedup") is None:
+        return "-"
+    lo, hi = r["bench_range"]
+    bound = f" (bound {r['bench_flop_bound']:.2f}x)" if r.get("bench_flop_bound") else ""
+    return f"{r['bench_speedup']:.2f}x [{lo:.2f}-{hi:.2f}]{bound}"
 
 
 def _calibration(calib: dict | None) -> str | None:
@@ -161,6 +221,7 @@ def markdown(table: list[dict]) -> str:
         "delta [95% CI]",
         "tail PPL",
         "TTFT x",
+        "TTFT x (bench)",
         "source",
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -179,5 +240,5 @@ def markdown(table: list[dict]) -> str:
             f"{r['niah']:.1f}",
             f"{r['exact_niah']:.1f}",
         ]
-        lines.append("| " + " | ".join([*cells, delta, ppl, speed, Path(r["source"]).name]) + " |")
+        lines.append("| " + " | ".join([*cells, delta, ppl, speed, _bench_cell(r), Path(r["source"]).name]) + " |")
     return "\n".join(lines)
