@@ -251,7 +251,17 @@ def prefill_fill(
     return PrefillResult(cache, logits, rows, n, st.seconds + time.perf_counter() - t0, method, meta)
 
 
-def _resume(engine: Engine, hfull, fpos, resume_in, bpos, s: FillSettings, tables, cache, true_length):
+def _resume(
+    engine: Engine,
+    hfull: torch.Tensor,
+    fpos: torch.Tensor,
+    resume_in: torch.Tensor,
+    bpos: torch.Tensor,
+    s: FillSettings,
+    tables,
+    cache: DynamicCache,
+    true_length: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Layers [s.resume, L) on every row: full rows carry on from their states, bulk rows start from
     the predicted input `resume_in` (1, Nb, d) at the full rows' median RMS. Returns the final states
     of all rows and their sorted positions."""
