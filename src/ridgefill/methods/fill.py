@@ -224,7 +224,6 @@ def prefill_fill(
             want = round((1 - s.drop) * int(bulk.sum())) - int(held.sum())
             bulk = held | top_blocks(scores, bulk & ~held, max(0, want), s.block)
     fpos, bpos = full.nonzero().squeeze(1), bulk.nonzero().squeeze(1)
-    full_pos = fpos
     kept = None if s.drop == 0 else (full | bulk).nonzero().squeeze(1)
     top = s.top(parts.num_layers)
     filled, resume_in = _bulk_kv(engine, method, h[:, bpos], bpos, s.split, maps, tables, top)
@@ -232,13 +231,16 @@ def prefill_fill(
     for i in range(s.split, top):
         hfull, k, v, _ = engine.layer(i, hfull, fpos, tables, extra_kv=(*filled.pop(i), bpos))
         hf.cache_update(cache, k, v, i, true_length=None if kept is None else n)
+    out_pos = fpos  # rows whose final states `hfull` holds: every row when top layers resume
     if resume_in is not None:
-        hfull, fpos = _resume(engine, hfull, fpos, resume_in, bpos, s, tables, cache, n if kept is not None else None)
-    logits, rows = engine.logits_at(hfull, fpos, logit_rows, "were filled, not run fully")
+        hfull, out_pos = _resume(
+            engine, hfull, fpos, resume_in, bpos, s, tables, cache, n if kept is not None else None
+        )
+    logits, rows = engine.logits_at(hfull, out_pos, logit_rows, "were filled, not run fully")
     plan = {
         "split": s.split,
         "resume": top,
-        "full": full_pos,
+        "full": fpos,
         "filled": len(bpos),
         "fill": method,
         "deep_keys": kept,
@@ -246,7 +248,7 @@ def prefill_fill(
     }
     attn_s = st.attn_seconds + engine.attn_seconds - a0
     meta.update(
-        ran_exact=False, full_rows=len(full_pos), bulk_rows=len(bpos), full_positions=full_pos, plan=plan, attn_s=attn_s
+        ran_exact=False, full_rows=len(fpos), bulk_rows=len(bpos), full_positions=fpos, plan=plan, attn_s=attn_s
     )
     return PrefillResult(cache, logits, rows, n, st.seconds + time.perf_counter() - t0, method, meta)
 
