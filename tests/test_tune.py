@@ -174,6 +174,33 @@ def test_tuned_falls_back_to_the_shipped_default_with_the_users_maps(smollm2, sm
         bundle.load_tuned(smollm2, smollm2_maps)
 
 
+def test_tune_fits_missing_maps_with_facts_and_refuses_others(smollm2, smollm2_maps, tmp_path, monkeypatch):
+    import argparse
+    import shutil
+
+    from ridgefill.cli.tune import _maps_for
+    from ridgefill.fit import ridge
+
+    name = "smollm2-135m.ridge.s15.safetensors"
+    args = argparse.Namespace(maps=tmp_path, corpus=None, calib_facts=3)
+    fitted = []
+
+    def fake_fit(lm, cfg, corpus, out_dir):  # records the config, writes maps from the fixture
+        fitted.append(cfg)
+        shutil.copy(smollm2_maps / name, out_dir / name)
+
+    monkeypatch.setattr(ridge, "fit_from_corpus", fake_fit)
+    with pytest.raises(MapError, match="fitted with 0 facts per segment, not --calib-facts 3"):
+        _maps_for(smollm2, [15], args)  # the fixture's maps have no facts: refused, not used
+    assert [(c.splits, c.facts) for c in fitted] == [((15,), 3)]
+    args.calib_facts = 0
+    assert _maps_for(smollm2, [15], args)[15].split == 15  # already there: not fitted again
+    assert len(fitted) == 1
+    args.calib_facts = -1
+    with pytest.raises(RidgefillError, match="--calib-facts must be >= 0"):
+        _maps_for(smollm2, [15], args)
+
+
 def test_shipped_defaults_are_valid_settings():
     from ridgefill.tune.bundle import shipped_defaults
 

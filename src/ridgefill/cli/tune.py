@@ -8,17 +8,29 @@ from ridgefill.cli.common import floats, ints
 
 
 def _maps_for(lm, splits: list[int], args: argparse.Namespace) -> dict:
-    """Ridge maps of every split, fitting the missing ones in one pass over the calibration text."""
-    from ridgefill.fit.maps import default_maps_dir, find_maps, maps_filename
+    """Ridge maps of every split, fitting the missing ones in one pass over the calibration text
+    (with `--calib-facts` facts per segment); maps already there must have been fitted with as many."""
+    from ridgefill.errors import MapError, RidgefillError
+    from ridgefill.fit.maps import calib_info, default_maps_dir, find_maps, maps_filename
     from ridgefill.fit.ridge import FitConfig, fit_from_corpus
 
+    if args.calib_facts < 0:
+        raise RidgefillError(f"--calib-facts must be >= 0, got {args.calib_facts}")
     folder = args.maps if args.maps is not None else default_maps_dir(lm)
     # Only absent maps are fitted: a corrupt or foreign file is reported by find_maps, not overwritten.
     missing = [s for s in splits if not (folder / maps_filename(lm.name, "ridge", s)).is_file()]
     if missing:
         print(f"fitting ridge maps for split(s) {missing} in one pass (cached for later runs)")
-        fit_from_corpus(lm, FitConfig(splits=tuple(missing), methods=("ridge",)), args.corpus, out_dir=args.maps)
-    return {s: find_maps(lm, "ridge", s, args.maps) for s in splits}
+        fit_cfg = FitConfig(splits=tuple(missing), methods=("ridge",), facts=args.calib_facts)
+        fit_from_corpus(lm, fit_cfg, args.corpus, out_dir=args.maps)
+    maps = {s: find_maps(lm, "ridge", s, args.maps) for s in splits}
+    for s, m in maps.items():
+        if calib_info(m)["facts"] != args.calib_facts:
+            raise MapError(
+                f"the split-{s} maps in {folder} were fitted with {calib_info(m)['facts']} facts per segment, "
+                f"not --calib-facts {args.calib_facts}; pass --maps with another folder (missing maps are fitted there)"
+            )
+    return maps
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -26,6 +38,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     from tqdm.auto import tqdm
 
+    from ridgefill.fit.maps import calib_info
     from ridgefill.models import load_model
     from ridgefill.results import command_line, write_json
     from ridgefill.tune import report
@@ -70,7 +83,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
         bar.set_postfix_str(stage, refresh=False)
         bar.update(k)
 
-    base = {"model": lm.name, "dtype": args.dtype, "config": asdict(cfg), "space": asdict(space)}
+    base = {
+        "model": lm.name,
+        "dtype": args.dtype,
+        "config": asdict(cfg),
+        "space": asdict(space),
+        "maps_calib": {str(s): calib_info(m) for s, m in maps.items()},
+    }
 
     def checkpoint(partial: dict) -> None:  # what is measured so far, in case the search is cut short
         if args.out:
@@ -131,6 +150,12 @@ def tune_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wave", type=int, default=12, help="NIAH-stage candidates at a time, fastest first")
     p.add_argument("--maps", type=Path, default=None, help="map folder (default: the model's cache folder)")
     p.add_argument("--corpus", default=None, help="text for fitting and tuning (held-out split is used)")
+    p.add_argument(
+        "--calib-facts",
+        type=int,
+        default=0,
+        help="key-value facts spliced into each calibration segment of the maps (as `fit --calib-facts`)",
+    )
     p.add_argument("--bundle", type=Path, default=None, help="tuned bundle path (default: next to the maps)")
     p.add_argument("--out", type=Path, default=None, help="JSON results (rewritten after each stage and wave)")
     p.add_argument("--plot", type=Path, default=None, help="PNG of the frontier")

@@ -21,7 +21,7 @@ from ridgefill.errors import RidgefillError
 from ridgefill.eval.api import Generation, Prompt, Sample
 from ridgefill.eval.ppl import MethodSpec, shared_lower
 from ridgefill.eval.ruler import RulerTask
-from ridgefill.fit.maps import fingerprint
+from ridgefill.fit.maps import calib_info, fingerprint
 from ridgefill.generation import encode_prompt, generate_batch, prompt_text
 from ridgefill.methods.fill import ADDED_LATER
 from ridgefill.models.loading import LoadedModel
@@ -38,13 +38,8 @@ def spec_settings(spec: MethodSpec) -> dict:
     settings, maps = spec.kwargs.get("settings"), spec.kwargs.get("maps")
     out = {"method": spec.method, **(asdict(settings) if is_dataclass(settings) else {})}
     if maps is not None:
-        fit = maps.header.get("fit", {})
         out["maps_split"] = maps.split
-        out["maps_calib"] = {
-            "tokens": fit.get("calib_tokens"),
-            "facts": fit.get("facts", 0),
-            "corpus": maps.header.get("corpus", {}).get("id"),
-        }
+        out["maps_calib"] = calib_info(maps)
     return out
 
 

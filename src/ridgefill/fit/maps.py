@@ -111,6 +111,16 @@ def find_maps(lm: LoadedModel, method: str, split: int, folder: Path | None = No
     return load_maps(path, lm)
 
 
+def calib_info(maps: FillMaps) -> dict:
+    """What the maps were fitted on: calibration tokens, facts spliced per segment, corpus id."""
+    fit = maps.header.get("fit", {})
+    return {
+        "tokens": fit.get("calib_tokens"),
+        "facts": fit.get("facts", 0),
+        "corpus": maps.header.get("corpus", {}).get("id"),
+    }
+
+
 def save_maps(maps: FillMaps, path: Path) -> Path:
     """Write a map file (safetensors; the header is stored as JSON in its metadata)."""
     path = Path(path)
