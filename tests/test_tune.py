@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -67,6 +68,26 @@ def test_choice_is_fastest_within_budget_and_frontier_is_non_dominated():
     assert [r["label"] for r in rows if r["frontier"]] == ["fast-bad", "mid-ok", "slow-ok"]
 
 
+def test_ppl_interval_over_documents_and_the_upper_end_option():
+    from ridgefill.tune import report
+    from ridgefill.tune.search import Trial, _row
+
+    exact = [2.0, 2.0, 2.0, 2.0, 2.0, 2.0]
+    t = Trial(Candidate("ridge", FillSettings(split=15)), nll=[2.0, 2.01, 2.02, 2.03, 2.08, 2.12])
+    lo, hi = t.ppl_ci(exact)
+    assert lo < t.ppl_increase(exact) < hi and lo >= 0.0 and hi <= 100 * (math.exp(0.12) - 1)
+    mean_cfg, upper_cfg = TuneConfig(budget_ppl=5.0), TuneConfig(budget_ppl=5.0, ppl_upper=True)
+    assert t.ppl_judged(exact, mean_cfg) == t.ppl_increase(exact) < 5.0 < t.ppl_judged(exact, upper_cfg) == hi
+    t.niah, t.speed = [(100.0, 100.0)], [1.5]
+    assert _row(t, exact, mean_cfg, prompts=1)["within_budget"]
+    row = _row(t, exact, upper_cfg, prompts=1)
+    assert not row["within_budget"] and row["ppl_ci95"] == [lo, hi]
+    result = {"exact": {"niah_score": 100.0, "niah_samples": 1, "tail_nll": 2.0}, "chosen": None}
+    row["frontier"] = False
+    text = report.table({**result, "candidates": [row]}, 2.0, 5.0, ppl_upper=True)
+    assert f"[{lo:+.1f}, {hi:+.1f}]" in text and "upper end of its 95% interval" in text
+
+
 @pytest.mark.slow
 def test_search_pairs_against_exact_and_bundle_round_trips(smollm2, smollm2_maps, tmp_path):
     """A candidate whose query rows cover the whole prompt runs every row fully: it must match exact
@@ -98,6 +119,7 @@ def test_search_pairs_against_exact_and_bundle_round_trips(smollm2, smollm2_maps
     full = rows[res["chosen"]]
     other = rows[({everything.label, also.label} - {res["chosen"]}).pop()]
     assert abs(full["ppl_increase_pct"]) < 0.01 and full["niah_loss"] == 0 and full["niah_samples"] == 4
+    assert max(abs(x) for x in full["ppl_ci95"]) < 0.01 and len(res["exact"]["tail_nll_docs"]) == 1
     assert other["stopped"].startswith("NIAH not run") and other["niah_loss"] is None
     assert rows[plain.label]["stopped"].startswith("tail PPL") and rows[plain.label]["niah_loss"] is None
     assert ticks.count("perplexity") == 4 and ticks.count("NIAH") == 4 * 2

@@ -64,6 +64,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         seed=args.seed,
         wave=args.wave,
         ppl_tail=min(256, *space.tails) if space.tails else 256,  # scored rows must run fully in every candidate
+        ppl_upper=args.ppl_upper,
     )
     cfg.check()
     candidates = grid(space, lm.num_layers)
@@ -97,7 +98,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     result = run_search(lm, cfg, candidates, maps, prompts, docs, progress, checkpoint)
     bar.close()
-    print(report.table(result, cfg.budget_niah, cfg.budget_ppl))
+    print(report.table(result, cfg.budget_niah, cfg.budget_ppl, cfg.ppl_upper))
     print(f"search took {result['search_seconds']:.0f} s")
     if args.out:
         write_json(args.out, {**base, **result}, args.argv)
@@ -116,7 +117,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
         "method": row["method"],
         "settings": row["settings"],
         "budgets": {"niah_points": cfg.budget_niah, "ppl_pct": cfg.budget_ppl},
-        "measured": {k: row[k] for k in ("speedup", "flop_bound", "niah_loss", "niah_samples", "ppl_increase_pct")},
+        "measured": {
+            k: row[k] for k in ("speedup", "flop_bound", "niah_loss", "niah_samples", "ppl_increase_pct", "ppl_ci95")
+        },
         "tuning_set": {"length": cfg.length, "seed": cfg.seed, "prompts": len(prompts), "ppl_docs": len(docs)},
         "command": command_line(args.argv),
     }
@@ -138,6 +141,11 @@ def tune_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--length", type=int, default=None, help="tuning prompt tokens (default: 4096 or the context)")
     p.add_argument("--samples", type=int, default=6, help="NIAH tuning samples per task (4 tasks)")
     p.add_argument("--ppl-docs", type=int, default=4, help="held-out documents for tail perplexity")
+    p.add_argument(
+        "--ppl-upper",
+        action="store_true",
+        help="hold the upper end of the tail-PPL increase's 95%% interval over the documents to the budget",
+    )
     p.add_argument("--seed", type=int, default=7, help="tuning sample seed (eval's 42 is refused)")
     p.add_argument("--splits", default="", help="comma-separated (default: 1/3, 2/5 and 1/2 of the layers)")
     p.add_argument("--tails", default="256,512", help="tail rows that run fully (comma-separated)")

@@ -27,13 +27,15 @@ from ridgefill.eval.api import Adapter, Task
 DEPTH_BUCKETS = ("0-20", "20-40", "40-60", "60-80", "80-100")
 
 
-def _bootstrap_ci(diffs: list[float], seed: int = 0, rounds: int = 2000) -> list[float]:
+def bootstrap_ci(diffs: list[float], seed: int = 0, rounds: int = 2000, digits: int | None = 2) -> list[float]:
+    """95% percentile-bootstrap interval of the mean of `diffs` (rounded to `digits`, None: not)."""
     if not diffs:
         return [0.0, 0.0]
     t = torch.tensor(diffs, dtype=torch.float64)
     g = torch.Generator().manual_seed(seed)
     means = t[torch.randint(len(t), (rounds, len(t)), generator=g)].mean(1)
-    return [round(float(means.quantile(0.025)), 2), round(float(means.quantile(0.975)), 2)]
+    lo, hi = float(means.quantile(0.025)), float(means.quantile(0.975))
+    return [lo, hi] if digits is None else [round(lo, digits), round(hi, digits)]
 
 
 def read_records(path: Path) -> list[dict]:
@@ -116,7 +118,7 @@ def _paired(rows: dict[tuple, dict], exact: dict[tuple, dict]) -> dict:
         "samples": len(rows),
         "score": round(sum(scores) / len(scores), 2),
         "delta_vs_exact": round(sum(paired) / len(paired), 2) if paired else None,
-        "ci95": _bootstrap_ci(paired),
+        "ci95": bootstrap_ci(paired),
         "exact_score": round(sum(exact[k]["score"] for k in rows if k in exact) / len(paired), 2) if paired else None,
         # A side figure (decode and scoring share the process); `ridgefill bench` is the clean one.
         "ttft_speedup": round(speed[len(speed) // 2], 3) if speed else None,

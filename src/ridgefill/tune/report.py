@@ -8,14 +8,20 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def table(result: dict, budget_niah: float, budget_ppl: float) -> str:
+def _ci(row: dict) -> str:
+    ci = row.get("ppl_ci95")  # absent in results written before the interval was recorded
+    return f" [{ci[0]:+.1f}, {ci[1]:+.1f}]" if ci else ""
+
+
+def table(result: dict, budget_niah: float, budget_ppl: float, ppl_upper: bool = False) -> str:
     """Markdown table, fastest first; `*` marks the frontier, `>` the choice."""
     ex = result["exact"]
     lines = [
         f"exact: NIAH {ex['niah_score']} over {ex['niah_samples']} tuning samples, tail NLL {ex['tail_nll']}",
-        f"budgets: NIAH loss <= {budget_niah:g} points, tail PPL <= +{budget_ppl:g}%",
+        f"budgets: NIAH loss <= {budget_niah:g} points, tail PPL <= +{budget_ppl:g}%"
+        + (" (the upper end of its 95% interval over the documents)" if ppl_upper else ""),
         "",
-        "| | configuration | TTFT x [min-max] | FLOP bound | NIAH loss (n) | tail PPL | status |",
+        "| | configuration | TTFT x [min-max] | FLOP bound | NIAH loss (n) | tail PPL [95% CI] | status |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in sorted(result["candidates"], key=lambda r: -r["speedup"]):
@@ -25,7 +31,7 @@ def table(result: dict, budget_niah: float, budget_ppl: float) -> str:
         status = r["stopped"] or ("within budget" if r["within_budget"] else "over budget")
         lines.append(
             f"| {mark} | {r['label']} | {r['speedup']:.2f}x [{r['speedup_min']:.2f}-{r['speedup_max']:.2f}] | "
-            f"{bound} | {loss} | {r['ppl_increase_pct']:+.1f}% | {status} |"
+            f"{bound} | {loss} | {r['ppl_increase_pct']:+.1f}%{_ci(r)} | {status} |"
         )
     return "\n".join(lines)
 
