@@ -90,3 +90,12 @@ def test_bench_checks_every_length_before_timing_any(monkeypatch):
     with pytest.raises(PromptError, match=f"length {too_long} exceeds"):
         ttft.run_bench(lm, ttft.BenchConfig((48, too_long)), prompts, [MethodSpec("exact", "exact", {})])
     assert ran == []
+
+
+def test_results_record_whether_the_cpu_computes_bf16_natively():
+    from ridgefill.results import cpu_bf16, environment
+
+    amx = "processor\t: 0\nflags\t\t: fpu sse2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+    epyc = "processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\n"
+    assert cpu_bf16(amx) is True and cpu_bf16(epyc) is False and cpu_bf16("model name : x\n") is None
+    assert environment()["cpu_bf16"] in (True, False, None)

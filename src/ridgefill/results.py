@@ -26,6 +26,17 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_bf16(cpuinfo: str | None = None) -> bool | None:
+    """Whether the CPU has native bf16 arithmetic (AVX512-BF16 or AMX-BF16; None: cannot tell),
+    from `cpuinfo` (default: /proc/cpuinfo). Where it does, bf16 is usually the faster exact baseline."""
+    try:
+        text = cpuinfo if cpuinfo is not None else Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), None)
+    return None if flags is None else bool({"avx512_bf16", "amx_bf16"} & set(flags))
+
+
 def environment() -> dict:
     from ridgefill import __version__
 
@@ -35,6 +46,7 @@ def environment() -> dict:
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "cpu": _cpu_model(),
+        "cpu_bf16": cpu_bf16(),
         "torch_threads": torch.get_num_threads(),
     }
 

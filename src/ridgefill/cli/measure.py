@@ -41,7 +41,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from ridgefill.bench.ttft import BenchConfig, run_bench
     from ridgefill.eval.adapter import spec_settings
     from ridgefill.models import load_model
-    from ridgefill.results import write_json
+    from ridgefill.results import cpu_bf16, write_json
 
     lm = load_model(args.model, dtype=args.dtype)
     split = default_split(lm, args.split)
@@ -65,6 +65,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             f"{r['speedup_min']:5.2f}-{r['speedup_max']:<5.2f}  {r['flop_bound']:9.2f}x {r['fraction_of_bound']:7.0%} "
             f"{r['attn_median_s']:8.3f} {r['attn_speedup'] or 0:6.2f}x {r['tokens_per_s']:8.0f} {r['peak_mem_mb']:9.0f}"
         )
+    if args.dtype == "float32" and cpu_bf16():
+        print("note: this CPU computes bf16 natively; `--dtype bfloat16` is likely the faster exact baseline")
     if args.out:
         config = {
             **asdict(cfg),
