@@ -16,25 +16,24 @@ import torch
 import transformers
 
 
-def _cpu_model() -> str:
+def _cpuinfo(key: str, cpuinfo: str | None = None) -> str | None:
+    """The first `key` line's value in `cpuinfo` (default: /proc/cpuinfo); None when absent."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        text = cpuinfo if cpuinfo is not None else Path("/proc/cpuinfo").read_text()
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return None
+    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith(key)), None)
+
+
+def _cpu_model() -> str:
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def cpu_bf16(cpuinfo: str | None = None) -> bool | None:
     """Whether the CPU has native bf16 arithmetic (AVX512-BF16 or AMX-BF16; None: cannot tell),
     from `cpuinfo` (default: /proc/cpuinfo). Where it does, bf16 is usually the faster exact baseline."""
-    try:
-        text = cpuinfo if cpuinfo is not None else Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), None)
-    return None if flags is None else bool({"avx512_bf16", "amx_bf16"} & set(flags))
+    flags = _cpuinfo("flags", cpuinfo)
+    return None if flags is None else bool({"avx512_bf16", "amx_bf16"} & set(flags.split()))
 
 
 def environment() -> dict:

@@ -25,9 +25,10 @@ def _maps_for(lm, splits: list[int], args: argparse.Namespace) -> dict:
         fit_from_corpus(lm, fit_cfg, args.corpus, out_dir=args.maps)
     maps = {s: find_maps(lm, "ridge", s, args.maps) for s in splits}
     for s, m in maps.items():
-        if calib_info(m)["facts"] != args.calib_facts:
+        facts = calib_info(m)["facts"]
+        if facts != args.calib_facts:
             raise MapError(
-                f"the split-{s} maps in {folder} were fitted with {calib_info(m)['facts']} facts per segment, "
+                f"the split-{s} maps in {folder} were fitted with {facts} facts per segment, "
                 f"not --calib-facts {args.calib_facts}; pass --maps with another folder (missing maps are fitted there)"
             )
     return maps
