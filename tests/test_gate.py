@@ -117,6 +117,19 @@ def test_decode_after_gating_sees_exactly_the_kept_rows(tiny):
     torch.testing.assert_close(logits[0, -1:].float(), ref, atol=1e-4, rtol=0)
 
 
+def test_gate_reports_its_scores_and_the_needle_rank(tiny):
+    """Eval's needle diagnostics work for tokengate: a needle in the best-scoring block ranks first and is kept."""
+    from ridgefill.eval.adapter import needle_rows
+
+    ids = _ids(64)
+    res = run_prefill(Engine(tiny), ids, "tokengate", settings=_gate(keep=0.5))
+    scores, cand = res.meta["row_scores"], res.meta["score_candidates"]
+    assert scores.shape == (64,) and cand.dtype == torch.bool and not cand[-1]
+    best = int(scores.masked_fill(~cand, float("-inf")).argmax())
+    info = needle_rows(res.meta, (best, best + 1))
+    assert info == {"needle_full": 1.0, "needle_rank": 1}
+
+
 def test_length_gate_sends_short_prompts_to_exact(tiny):
     ids = _ids(60)
     eng = Engine(tiny)

@@ -196,4 +196,5 @@ def prefill_tokengate(
     attn_s = st.attn_seconds + engine.attn_seconds - a1
     plan = {"split": g, "full": kpos, "filled": 0, "fill": "none", "deep_keys": kpos, "lower_pairs": pairs}
     meta.update(ran_exact=False, kept_rows=len(kpos), full_positions=kpos, plan=plan, attn_s=attn_s)
+    meta.update(row_scores=scores, score_candidates=~always)  # for diagnostics (eval's needle rank)
     return PrefillResult(cache, logits, rows, n, st.seconds + time.perf_counter() - t0, "tokengate", meta)
