@@ -85,7 +85,8 @@ def needle_rows(meta: dict, span: tuple[int, int] | None) -> dict:
     `needle_full`: the fraction of the needle's tokens that ran every layer (fill: full rows;
     tokengate: kept rows); absent when the method ran every row (exact, or a prompt too short to
     skip). `needle_rank`: 1 + the candidate rows the query score (fill: at the split layer;
-    tokengate: at the gate layer) put above the needle's best token; absent without that score. Issue 5's "is the needle scored?", on every eval record.
+    tokengate: at the gate layer) put above the needle's best token; absent without that score.
+    Issue 5's "is the needle scored?", on every eval record.
     """
     full = meta.get("full_positions")
     if span is None or full is None or meta.get("ran_exact"):
