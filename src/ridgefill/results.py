@@ -2,6 +2,8 @@
 
 What it is: one writer that stamps each payload with the exact command line, the date, the
 package and library versions, and the machine (CPU model, threads), so a reader can rerun it.
+Files are replaced atomically (`files.atomic_path`): a run killed while writing, such as a tune
+checkpoint cut short, leaves the previous file whole. What it is not: the atomic writer itself.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from pathlib import Path
 
 import torch
 import transformers
+
+from ridgefill.files import atomic_path, write_text
 
 
 def _cpuinfo(key: str, cpuinfo: str | None = None) -> str | None:
@@ -55,26 +59,27 @@ def command_line(argv: list[str]) -> str:
 
 
 def write_json(path: str | Path, payload: dict, argv: list[str]) -> Path:
-    """Write `payload` with `command`, `date` and `environment` keys first."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write `payload` with `command`, `date` and `environment` keys first (atomically)."""
     doc = {
         "command": command_line(argv),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "environment": environment(),
         **payload,
     }
-    path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
-    return path
+    return write_text(path, json.dumps(doc, indent=2, default=str) + "\n")
 
 
-def save_png(fig, path: str | Path) -> Path:
-    """Write a matplotlib figure as a PNG (parent folders made) and close it."""
+def save_png(fig, path: str | Path, tight: bool = True) -> Path:
+    """Write a matplotlib figure as a PNG (atomically, parent folders made) and close it.
+    `tight`: apply `tight_layout` first (off for figures laid out by hand, e.g. with a shared colorbar)."""
     import matplotlib.pyplot as plt
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        if tight:
+            fig.tight_layout()
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=110, format="png")  # the temporary name has no .png to go by
+    finally:
+        plt.close(fig)
     return path

@@ -234,6 +234,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_ablation(args: argparse.Namespace) -> int:
     from ridgefill.eval import ablation
+    from ridgefill.files import write_text
     from ridgefill.results import command_line, write_json
 
     table = ablation.attach_bench([row for f in args.files for row in ablation.rows(f)], args.bench)
@@ -242,7 +243,7 @@ def cmd_ablation(args: argparse.Namespace) -> int:
     if args.out:
         write_json(args.out, {"rows": table}, args.argv)
         md = args.out.with_suffix(".md")
-        md.write_text(f"`{command_line(args.argv)}`\n\n{text}\n")
+        write_text(md, f"`{command_line(args.argv)}`\n\n{text}\n")
         print(f"written to {args.out} and {md}")
     return 0
 

@@ -94,6 +94,8 @@ def plot(results: list[dict], out_dir: str | Path, title: str) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from ridgefill.results import save_png
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     methods = list(dict.fromkeys(r["method"] for r in results))
@@ -113,10 +115,7 @@ def plot(results: list[dict], out_dir: str | Path, title: str) -> list[Path]:
     ax.set(xlabel="needle depth (%)", ylabel="score (0-100)", title=title, ylim=(-2, 102))
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    p1 = out / "score_by_depth.png"
-    fig.savefig(p1, dpi=110)
-    plt.close(fig)
+    p1 = save_png(fig, out / "score_by_depth.png")
 
     fig, axes = plt.subplots(1, len(methods), figsize=(3.2 * len(methods), 0.6 * len(lengths) + 2), squeeze=False)
     for ax, m in zip(axes[0], methods, strict=True):
@@ -126,7 +125,5 @@ def plot(results: list[dict], out_dir: str | Path, title: str) -> list[Path]:
         ax.set_xticklabels(DEPTH_BUCKETS, rotation=45)
         ax.set_yticklabels(lengths)
     fig.colorbar(im, ax=axes[0].tolist(), label="score")
-    p2 = out / "heatmap.png"
-    fig.savefig(p2, dpi=110)
-    plt.close(fig)
+    p2 = save_png(fig, out / "heatmap.png", tight=False)
     return [p1, p2]

@@ -3,16 +3,16 @@
 What it is: for each task and length, the task's samples are made once (fitted with the adapter's
 tokeniser) and each runs under `exact` and every other method of the adapter with the same prompt.
 Per-sample results are appended to a JSONL cache keyed by prompt and method configuration, so an
-interrupted run resumes. The summary gives scores per task, length, depth bucket and method, each
-method's paired difference from exact with a 95% bootstrap interval, the needle tasks pooled, and
-the points ridge recovers over identity for needles inside the filled region. It is written
-against the two interfaces of `api.py` only. What it is not: a task (`ruler.py`, `dummy.py`) or a
-model/method adapter (`adapter.py`, `dummy.py`).
+interrupted run resumes; a record cut short by the interruption is skipped and its sample rerun.
+The summary gives scores per task, length, depth bucket and method, each method's paired
+difference from exact with a 95% bootstrap interval, the needle tasks pooled, and the points ridge
+recovers over identity for needles inside the filled region. It is written against the two
+interfaces of `api.py` only. What it is not: a task (`ruler.py`, `dummy.py`) or a model/method
+adapter (`adapter.py`, `dummy.py`).
 """
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from ridgefill.errors import RidgefillError, check_lengths
 from ridgefill.eval import ruler
 from ridgefill.eval.api import Adapter, Task
+from ridgefill.files import append_jsonl, read_jsonl
 
 DEPTH_BUCKETS = ("0-20", "20-40", "40-60", "60-80", "80-100")
 
@@ -38,9 +39,25 @@ def bootstrap_ci(diffs: list[float], seed: int = 0, rounds: int = 2000, digits: 
     return [lo, hi] if digits is None else [round(lo, digits), round(hi, digits)]
 
 
+# What a cached record must hold to be keyed and summarised (`config` may be absent, as in
+# records written before it existed); a line without them is skipped and its sample rerun.
+RECORD_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "task": str,
+    "length": int,
+    "index": int,
+    "method": str,
+    "prompt": str,
+    "config": (str, type(None)),
+    "score": (int, float),
+    "depth": (int, float, type(None)),
+    "ttft_s": (int, float),
+}
+
+
 def read_records(path: Path) -> list[dict]:
-    """The records of a per-sample JSONL cache, in file order."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+    """The records of a per-sample JSONL cache, in file order; unreadable lines are skipped with a
+    warning (`files.read_jsonl`), so their samples count as not yet run."""
+    return read_jsonl(path, RECORD_FIELDS)
 
 
 def run_eval(
@@ -61,13 +78,12 @@ def run_eval(
     done: dict[tuple, dict] = {}
     for r in read_records(cache_path) if cache_path.is_file() else []:
         done[(r["task"], r["length"], r["index"], r["method"], r["prompt"], r.get("config"))] = r
-    cache_path.parent.mkdir(parents=True, exist_ok=True)
     configs = {m: adapter.config(m) for m in adapter.methods}
     run = uuid.uuid4().hex[:12]  # which records were timed in this process (see `_paired`)
     records = []
     jobs = [(t, n) for t in tasks for n in lengths]
     bar = tqdm(total=len(jobs) * samples * len(configs), desc=f"eval {adapter.name}", unit="run")
-    with cache_path.open("a") as cache_file:
+    with append_jsonl(cache_path) as cache:
         for task, n in jobs:
             for sample in task.samples(adapter.count_tokens, n, samples, seed):
                 p = adapter.prompt(sample)
@@ -97,8 +113,7 @@ def run_eval(
                             "run": run,
                             **res.info,
                         }
-                        cache_file.write(json.dumps(done[k]) + "\n")
-                        cache_file.flush()
+                        cache(done[k])
                     records.append(done[k])
                     bar.update()
     bar.close()

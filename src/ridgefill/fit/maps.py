@@ -1,27 +1,32 @@
 """Map files: fitted fill maps as safetensors plus a JSON header.
 
 What it is: the `FillMaps` bundle (one method, one split, a (d+1, out) matrix per deep layer,
-bias in the last row), a model fingerprint, and strict loading: a map for another model, a
-corrupt file, or a non-finite map fails with a clear `MapError`. What it is not: fitting
-(fit/ridge.py) or applying maps (methods/fill.py).
+bias in the last row), a model fingerprint, atomic saving, and strict loading: a map for another
+model, a corrupt or crafted file, a tensor of the wrong name, type or shape, or a non-finite map
+fails with a one-line `MapError` naming the file. What it is not: fitting (fit/ridge.py) or
+applying maps (methods/fill.py).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from ridgefill.errors import MapError
+from ridgefill.files import atomic_path
 from ridgefill.models.loading import LoadedModel
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # float32 `layer.<i>` tensors; the header as JSON under the metadata key "ridgefill"
 MAP_METHODS = ("ridge", "kva")
+_TENSOR_NAME = re.compile(r"layer\.([0-9]+)")
+_HEADER_OBJECTS = ("model", "fit", "corpus", "tuned")  # header keys whose values are JSON objects
 
 
 def fingerprint(lm: LoadedModel) -> dict:
@@ -72,7 +77,7 @@ class FillMaps:
         return self._stacked[dtype]
 
     def check_model(self, lm: LoadedModel) -> None:
-        """Refuse maps fitted on another model, or not covering every deep layer."""
+        """Refuse maps fitted on another model, of the wrong shape, or not covering every deep layer."""
         want = self.header.get("model", {})
         have = fingerprint(lm)
         if want != have:
@@ -82,8 +87,21 @@ class FillMaps:
                 f"({want.get('architecture')}, {want.get('num_layers')} layers; differs in {', '.join(diff)}); "
                 f"fit maps for {lm.name} with `ridgefill fit --model {lm.name}`"
             )
+        self.check_dims(lm.num_layers, have["hidden_size"], have["num_kv_heads"], have["head_dim"])
+
+    def check_dims(self, num_layers: int, hidden_size: int, num_kv_heads: int, head_dim: int) -> None:
+        """Refuse maps whose layers or matrix shapes do not fit a model of these dimensions:
+        one map per layer split+1..num_layers-1, each (hidden_size + 1, out) with out = hidden_size
+        (ridge) or 2 * num_kv_heads * head_dim (kva)."""
+        rows, out = hidden_size + 1, hidden_size if self.method == "ridge" else 2 * num_kv_heads * head_dim
+        for i in self.layers:
+            if tuple(self.weights[i].shape) != (rows, out):
+                raise MapError(
+                    f"the {self.method} map of layer {i} is {tuple(self.weights[i].shape)}, but this model needs "
+                    f"({rows}, {out}) (hidden size {hidden_size}, {num_kv_heads} KV heads of {head_dim})"
+                )
         # Layer `split` itself reads the exact split state; maps start one layer deeper.
-        expected = list(range(self.split + 1, lm.num_layers))
+        expected = list(range(self.split + 1, num_layers))
         if self.layers != expected:
             raise MapError(f"maps cover layers {self.layers}, but split {self.split} needs {expected}")
 
@@ -122,38 +140,91 @@ def calib_info(maps: FillMaps) -> dict:
 
 
 def save_maps(maps: FillMaps, path: Path) -> Path:
-    """Write a map file (safetensors; the header is stored as JSON in its metadata)."""
+    """Write a map file (safetensors; the header is stored as JSON in its metadata), atomically."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     header = {**maps.header, "method": maps.method, "split": maps.split, "format_version": FORMAT_VERSION}
     tensors = {f"layer.{i}": w.float().contiguous() for i, w in maps.weights.items()}
-    tmp = path.with_name(path.name + ".partial")
-    save_file(tensors, str(tmp), metadata={"ridgefill": json.dumps(header)})
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"ridgefill": json.dumps(header)})
     return path
 
 
 def load_maps(path: str | Path, lm: LoadedModel | None = None) -> FillMaps:
-    """Read and validate a map file; with `lm`, also check it was fitted on that model."""
+    """Read and validate a map file; with `lm`, also check it was fitted on that model.
+
+    Always checked: the file is safetensors with a JSON-object header whose `method` is a map
+    method and `split` a layer index; its tensors are float32 matrices named `layer.<i>`, all of
+    one (d+1, out) shape, finite, on consecutive layers from split+1; where the header names the
+    model's dimensions, the shapes and layers fit them. With `lm`, against the model itself.
+    Every failure is a `MapError` whose one line starts with the file's path.
+    """
     path = Path(path)
     if not path.is_file():
         raise MapError(f"map file not found: {path}")
     try:
-        from safetensors import safe_open
+        maps = _parse(*_read(path))
+        if lm is not None:
+            maps.check_model(lm)
+    except MapError as e:
+        raise MapError(f"{path}: {e}") from None
+    return maps
 
+
+def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The JSON header and the tensors of a map file, or a `MapError` saying why not."""
+    try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
-        tensors = load_file(str(path))
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as e:  # safetensors and torch raise several types for a crafted file
+        raise MapError(f"not a ridgefill map file (corrupt or foreign): {type(e).__name__}: {e}") from None
+    if "ridgefill" not in meta:
+        raise MapError("not a ridgefill map file: its metadata has no ridgefill header")
+    try:
         header = json.loads(meta["ridgefill"])
-        method, split = header["method"], int(header["split"])
-    except (SafetensorError, OSError, ValueError, KeyError, json.JSONDecodeError) as e:
-        raise MapError(f"{path} is not a ridgefill map file (corrupt or foreign): {type(e).__name__}: {e}") from None
-    weights = {}
+    except (ValueError, RecursionError) as e:
+        raise MapError(f"its ridgefill header is not valid JSON: {type(e).__name__}: {e}") from None
+    if not isinstance(header, dict):
+        raise MapError(f"its ridgefill header is a JSON {type(header).__name__}, not an object")
+    return header, tensors
+
+
+def _parse(header: dict, tensors: dict[str, torch.Tensor]) -> FillMaps:
+    """`FillMaps` from a header and tensors, checking everything that needs no model."""
+    method, split = header.get("method"), header.get("split")
+    if not isinstance(method, str) or method not in MAP_METHODS:
+        raise MapError(f"the header's method {method!r} is not one of {', '.join(MAP_METHODS)}")
+    if not isinstance(split, int) or isinstance(split, bool) or split < 0:
+        raise MapError(f"the header's split {split!r} is not a layer index")
+    if header.get("format_version", FORMAT_VERSION) != FORMAT_VERSION:
+        raise MapError(f"map format version {header['format_version']!r}; this ridgefill reads {FORMAT_VERSION}")
+    for key in _HEADER_OBJECTS:
+        if key in header and not isinstance(header[key], dict):
+            raise MapError(f"the header's {key!r} is not a JSON object")
+    if not tensors:
+        raise MapError("it holds no maps")
+    weights: dict[int, torch.Tensor] = {}
     for name, w in tensors.items():
+        m = _TENSOR_NAME.fullmatch(name)
+        if m is None:
+            raise MapError(f"tensor {name!r} is not named layer.<index>")
+        i = int(m.group(1))
+        if i in weights:
+            raise MapError(f"two tensors hold the map of layer {i}")
+        if w.dtype != torch.float32 or w.dim() != 2:
+            raise MapError(f"{name} is a {w.dim()}-D {w.dtype} tensor, not a float32 matrix")
         if not torch.isfinite(w).all():
-            raise MapError(f"{path}: {name} contains NaN or infinite values; refit the maps")
-        weights[int(name.split(".")[1])] = w
+            raise MapError(f"{name} contains NaN or infinite values; refit the maps")
+        weights[i] = w
+    shapes = sorted({tuple(w.shape) for w in weights.values()})
+    rows, out = shapes[0]
+    odd = out != rows - 1 if method == "ridge" else out % 2 == 1  # ridge: (d+1, d); kva: (d+1, 2 * K/V width)
+    if len(shapes) > 1 or rows < 2 or out < 1 or odd:
+        raise MapError(f"its maps are {', '.join(map(str, shapes))}: not {method} maps of one (d+1, out) shape")
     maps = FillMaps(method, split, weights, header)
-    if lm is not None:
-        maps.check_model(lm)
+    if maps.layers != list(range(split + 1, split + 1 + len(weights))):
+        raise MapError(f"maps cover layers {maps.layers}, but split {split} needs consecutive layers from {split + 1}")
+    dims = [header.get("model", {}).get(k) for k in ("num_layers", "hidden_size", "num_kv_heads", "head_dim")]
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in dims):
+        maps.check_dims(*dims)
     return maps

@@ -76,7 +76,14 @@ def _check_hf_dir(path: Path) -> None:
 
 
 def _dequantised_dir(gguf: Path) -> Path:
-    """Dequantise a GGUF once into a safetensors checkpoint in the cache; return its folder."""
+    """Dequantise a GGUF once into a safetensors checkpoint in the cache; return its folder.
+
+    The folder is built beside its final name and its marker `ridgefill.json` written last, so a
+    folder with a marker was complete when written. It is still checked on every use (marker,
+    config, every safetensors file the size its header says): a damaged one is logged and rebuilt.
+    """
+    from ridgefill.files import safetensors_problem, write_text
+
     if not gguf.is_file():
         raise RidgefillError(f"GGUF file not found: {gguf}")
     with gguf.open("rb") as f:
@@ -84,8 +91,27 @@ def _dequantised_dir(gguf: Path) -> Path:
             raise RidgefillError(f"{gguf} is not a GGUF file (bad magic bytes); is it corrupt or truncated?")
     digest = sha256_file(gguf, desc=f"hashing {gguf.name}")[:20]
     target = cache_dir() / "dequantized" / digest
-    if (target / "ridgefill.json").is_file():
-        return target
+    marker = target / "ridgefill.json"
+
+    def problem() -> str | None:
+        try:
+            if json.loads(marker.read_text()).get("sha256_prefix") != digest:
+                return "its ridgefill.json names another GGUF"
+            json.loads((target / "config.json").read_text())
+            index = target / "model.safetensors.index.json"  # a sharded checkpoint names its shards
+            shards = {str(w) for w in json.loads(index.read_text())["weight_map"].values()} if index.is_file() else ()
+        except (OSError, ValueError, RecursionError, AttributeError, KeyError, TypeError) as e:
+            return f"{type(e).__name__}: {e}"
+        weights = sorted({p.name for p in target.glob("*.safetensors")}.union(shards))
+        if not weights:
+            return "it holds no safetensors weights"
+        return next(filter(None, (safetensors_problem(target / w) for w in weights)), None)
+
+    if marker.is_file():
+        why = problem()
+        if why is None:
+            return target
+        log.warning("the dequantised cache %s is damaged (%s); rebuilding it from %s", target, why, gguf)
     log.info("dequantising %s into %s (once; takes 20-60 s)", gguf, target)
     tmp = target.with_name(digest + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -105,7 +131,7 @@ def _dequantised_dir(gguf: Path) -> Path:
     model.hf_quantizer = None
     model.save_pretrained(str(tmp))
     tok.save_pretrained(str(tmp))
-    (tmp / "ridgefill.json").write_text(json.dumps({"source": str(gguf), "sha256_prefix": digest}))
+    write_text(tmp / marker.name, json.dumps({"source": str(gguf), "sha256_prefix": digest}))
     shutil.rmtree(target, ignore_errors=True)
     tmp.replace(target)
     return target
