@@ -151,7 +151,9 @@ def test_corrupt_map_bytes_are_one_map_error(lm, tmp_path, cut):
     assert "no ridgefill header" in _assert_refused(bad, lm)
 
 
-@pytest.mark.parametrize("case", ["header is a list", "2x2", "tensor layer.x", "split out of range", "kva width for ridge"])
+@pytest.mark.parametrize(
+    "case", ["header is a list", "2x2", "tensor layer.x", "split out of range", "kva width for ridge"]
+)
 def test_cli_refuses_a_malformed_map_file_in_one_line(lm, tmp_path, monkeypatch, capsys, case):
     from ridgefill.cli import main
 
@@ -332,3 +334,22 @@ def test_damaged_dequantised_cache_is_rebuilt(tmp_path, monkeypatch, caplog):
     (target / "config.json").write_text('{"model_type": "lla')
     assert loading._dequantised_dir(gguf) == target and len(built) == 4
     assert sorted(p.name for p in target.parent.iterdir()) == [target.name]  # no .partial left
+
+
+def test_assembled_gguf_is_whole_or_absent(tmp_path, monkeypatch):
+    import hashlib
+
+    from ridgefill.errors import RidgefillError
+    from ridgefill.models import registry
+
+    chunks = [tmp_path / f"part{i}" for i in range(2)]
+    for i, p in enumerate(chunks):
+        p.write_bytes(bytes([i]) * 1000)
+    monkeypatch.setattr(registry, "part_paths", lambda model: chunks)
+    good = registry.EmbeddedModel("m", "", (), (), hashlib.sha256(bytes(1000) + b"\1" * 1000).hexdigest())
+    bad = registry.EmbeddedModel("m", "", (), (), "0" * 64)
+    with pytest.raises(RidgefillError, match="sha256"):
+        registry.assemble(bad, tmp_path / "cache")
+    assert list((tmp_path / "cache" / "gguf").iterdir()) == []  # neither the file nor a temporary
+    target = registry.assemble(good, tmp_path / "cache")
+    assert target.read_bytes() == bytes(1000) + b"\1" * 1000 and list(target.parent.iterdir()) == [target]

@@ -18,6 +18,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from ridgefill.errors import RidgefillError, UnknownModelError
+from ridgefill.files import atomic_path
 
 log = logging.getLogger(__name__)
 
@@ -137,22 +138,20 @@ def assemble(model: EmbeddedModel, cache_dir: Path) -> Path:
     target = cache_dir / "gguf" / f"{model.name}.gguf"
     if target.is_file() and target.stat().st_size == sum(p.stat().st_size for p in paths):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(".partial")
     total = sum(p.stat().st_size for p in paths)
-    with tmp.open("wb") as out, tqdm(total=total, unit="B", unit_scale=True, desc=f"assembling {model.name}") as bar:
-        for p in paths:
-            with p.open("rb") as f:
-                while block := f.read(1 << 22):
-                    out.write(block)
-                    bar.update(len(block))
-    if model.sha256 is not None:
-        got = sha256_file(tmp)
-        if got != model.sha256:
-            tmp.unlink()
-            raise RidgefillError(
-                f"assembled {model.name} has sha256 {got}, expected {model.sha256}: "
-                f"reinstall with `ridgefill models pull {model.name}`"
-            )
-    tmp.replace(target)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"assembling {model.name}")
+    with atomic_path(target) as tmp:  # a cut assembly never takes the target's name
+        with tmp.open("wb") as out, bar:
+            for p in paths:
+                with p.open("rb") as f:
+                    while block := f.read(1 << 22):
+                        out.write(block)
+                        bar.update(len(block))
+        if model.sha256 is not None:
+            got = sha256_file(tmp)
+            if got != model.sha256:
+                raise RidgefillError(
+                    f"assembled {model.name} has sha256 {got}, expected {model.sha256}: "
+                    f"reinstall with `ridgefill models pull {model.name}`"
+                )
     return target
