@@ -55,7 +55,7 @@ def test_rows_carry_settings_paired_figures_and_command(tmp_path):
     assert ridge["ppl_increase_pct"] == 4.5 and wide["ppl_increase_pct"] is None
     assert ridge["ttft_speedup"] == 2.0 and ridge["command"] == "ridgefill eval --lengths 64"
     assert ablation.label_settings("ridge:outlier_factor=none", {})["outlier_factor"] is None
-    with pytest.raises(RidgefillError, match="bad value in 'drop=x'"):
+    with pytest.raises(RidgefillError, match="'drop' of method 'ridge' must be float, got 'x'"):
         ablation.label_settings("ridge:drop=x", {})
     table = ablation.markdown(rows)
     assert (
@@ -113,17 +113,17 @@ def test_old_files_pool_from_their_cache_only_when_it_reproduces_them(tmp_path):
 
 def test_cli_writes_json_and_markdown_and_refuses_other_files(tmp_path, capsys):
     out = tmp_path / "ablation.json"
-    assert main(["ablation", str(_write(tmp_path)), "--out", str(out)]) == 0
+    assert main(["experimental", "ablation", str(_write(tmp_path)), "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
-    assert doc["command"].startswith("ridgefill ablation") and len(doc["rows"]) == 3
-    assert out.with_suffix(".md").read_text().startswith("`ridgefill ablation")
+    assert doc["command"].startswith("ridgefill experimental ablation") and len(doc["rows"]) == 3
+    assert out.with_suffix(".md").read_text().startswith("`ridgefill experimental ablation")
     bad = tmp_path / "bench.json"
     bad.write_text(json.dumps({"command": "ridgefill bench"}))
-    assert main(["ablation", str(bad)]) == 2
+    assert main(["experimental", "ablation", str(bad)]) == 2
     assert "not a `ridgefill eval` results file" in capsys.readouterr().err
     wrong = tmp_path / "wrong.json"
     wrong.write_text(json.dumps({**json.loads(_write(tmp_path).read_text()), "methods": ["exact", "nosuch"]}))
-    assert main(["ablation", str(wrong)]) == 2
+    assert main(["experimental", "ablation", str(wrong)]) == 2
     assert "cannot read method label 'nosuch'" in capsys.readouterr().err
 
 

@@ -54,20 +54,19 @@ def test_bench_warms_up_on_a_shorter_prompt_and_times_the_full_one(monkeypatch):
 
     from conftest import make_tiny
     from ridgefill.bench import ttft
-    from ridgefill.eval.ppl import MethodSpec
-    from ridgefill.methods import FillSettings
+    from ridgefill.methods import FillSettings, Prefill
 
     seen = []
-    real = ttft.run_prefill
+    real = Prefill.run
 
-    def spy(engine, ids, method, **kw):
-        seen.append((method, ids.shape[1]))
-        return real(engine, ids, method, **kw)
+    def spy(self, engine, ids, **kw):
+        seen.append((self.method, ids.shape[1]))
+        return real(self, engine, ids, **kw)
 
-    monkeypatch.setattr(ttft, "run_prefill", spy)
+    monkeypatch.setattr(Prefill, "run", spy)
     lm = make_tiny("llama")
-    fill = {"settings": FillSettings(split=1, sink=2, tail=4)}
-    specs = [MethodSpec("exact", "exact", {}), MethodSpec("identity", "identity", fill)]
+    fill = FillSettings(split=1, sink=2, tail=4)
+    specs = [Prefill("exact", "exact"), Prefill("identity", "identity", fill)]
     prompts = {48: torch.randint(0, 100, (48,)).tolist()}
     rows = ttft.run_bench(lm, ttft.BenchConfig((48,), repeats=2, warmup=1, warmup_length=16), prompts, specs)
     assert seen == [("exact", 16), ("identity", 16), ("identity", 48), ("exact", 48), ("exact", 48), ("identity", 48)]
@@ -80,15 +79,15 @@ def test_bench_checks_every_length_before_timing_any(monkeypatch):
     from conftest import make_tiny
     from ridgefill.bench import ttft
     from ridgefill.errors import PromptError
-    from ridgefill.eval.ppl import MethodSpec
+    from ridgefill.methods import Prefill
 
     ran = []
-    monkeypatch.setattr(ttft, "run_prefill", lambda *a, **k: ran.append(a))
+    monkeypatch.setattr(Prefill, "run", lambda *a, **k: ran.append(a))
     lm = make_tiny("llama")
     too_long = lm.context_length + 1
     prompts = {48: torch.randint(0, 100, (48,)).tolist(), too_long: []}
     with pytest.raises(PromptError, match=f"length {too_long} exceeds"):
-        ttft.run_bench(lm, ttft.BenchConfig((48, too_long)), prompts, [MethodSpec("exact", "exact", {})])
+        ttft.run_bench(lm, ttft.BenchConfig((48, too_long)), prompts, [Prefill("exact", "exact")])
     assert ran == []
 
 

@@ -18,6 +18,7 @@ from ridgefill.eval import ruler
 from ridgefill.eval.api import Adapter, Task
 from ridgefill.eval.dummy import FILLER, DummyAdapter, DummyTask
 from ridgefill.eval.runner import run_eval, summarise
+from ridgefill.methods import Prefill
 
 ESSAY = tuple(ruler.essay_sentences([f"Sentence {i} is about the river." for i in range(2000)]))
 
@@ -25,12 +26,11 @@ ESSAY = tuple(ruler.essay_sentences([f"Sentence {i} is about the river." for i i
 def test_implementations_satisfy_the_interfaces():
     from conftest import make_tiny
     from ridgefill.eval.adapter import EngineAdapter
-    from ridgefill.eval.ppl import MethodSpec
 
     for task in (DummyTask(), ruler.RulerTask("niah_single_2", ESSAY), ruler.RulerTask("vt")):
         assert isinstance(task, Task)
     assert isinstance(DummyAdapter(), Adapter)
-    assert isinstance(EngineAdapter(make_tiny("llama"), [MethodSpec("exact", "exact", {})]), Adapter)
+    assert isinstance(EngineAdapter(make_tiny("llama"), [Prefill("exact", "exact")]), Adapter)
 
 
 @pytest.mark.parametrize("task", [DummyTask(), ruler.RulerTask("niah_single_1"), ruler.RulerTask("vt")])
@@ -133,13 +133,12 @@ def test_bad_runs_are_refused(tmp_path):
 @pytest.mark.slow
 def test_a_new_task_runs_on_the_engine(smollm2, tmp_path):
     from ridgefill.eval.adapter import EngineAdapter
-    from ridgefill.eval.ppl import MethodSpec
     from ridgefill.generation import encode_prompt
     from ridgefill.methods import FillSettings
 
     settings = FillSettings(split=15, tail=32, query_rows=32, query_window=16)
-    ident = MethodSpec("identity", "identity", {"settings": settings})
-    adapter = EngineAdapter(smollm2, [MethodSpec("exact", "exact", {}), ident])
+    ident = Prefill("identity", "identity", settings)
+    adapter = EngineAdapter(smollm2, [Prefill("exact", "exact"), ident])
     task = DummyTask()
     samples = task.samples(adapter.count_tokens, 256, 2, seed=42)
     recs = run_eval(adapter, [task], [256], 2, tmp_path / "c.jsonl", tail=32)
@@ -159,15 +158,23 @@ def test_a_new_task_runs_on_the_engine(smollm2, tmp_path):
 
 
 def test_needle_rows_reads_the_fill_plan():
+    from ridgefill.engine import Plan, PrefillResult
     from ridgefill.eval.adapter import needle_rows
 
     scores = torch.tensor([0.0, 0.9, 0.1, 0.5, 0.7, 0.2, 0.3, 0.0])
     cand = torch.tensor([False, True, True, True, True, True, True, False])
-    meta = {"full_positions": torch.tensor([0, 3, 4, 7]), "row_scores": scores, "score_candidates": cand}
-    assert needle_rows(meta, (3, 6)) == {"needle_full": round(2 / 3, 3), "needle_rank": 2}  # 0.9 beats 0.7
-    assert needle_rows({**meta, "ran_exact": True}, (3, 6)) == {}
-    assert needle_rows({"full_positions": meta["full_positions"]}, (0, 1)) == {"needle_full": 1.0}
-    assert needle_rows(meta, None) == {}
+    plan = Plan(split=1, full=torch.tensor([0, 3, 4, 7]), filled=4, fill="ridge")
+
+    def result(ran_exact=False, diagnostics=None):
+        diagnostics = {"row_scores": scores, "score_candidates": cand} if diagnostics is None else diagnostics
+        return PrefillResult(
+            None, torch.zeros(1, 2), torch.tensor([7]), 8, 0.1, "ridge", ran_exact, plan, diagnostics=diagnostics
+        )
+
+    assert needle_rows(result(), (3, 6)) == {"needle_full": round(2 / 3, 3), "needle_rank": 2}  # 0.9 beats 0.7
+    assert needle_rows(result(ran_exact=True), (3, 6)) == {}
+    assert needle_rows(result(diagnostics={}), (0, 1)) == {"needle_full": 1.0}
+    assert needle_rows(result(), None) == {}
 
 
 def test_eval_cli_refuses_bad_input(capsys, tmp_path, smollm2_maps):
@@ -199,7 +206,22 @@ def test_needles_agrees_with_the_eval_records(tmp_path, capsys):
     common = ["--tasks", "niah_single_2", "--samples", "2", "--split", "15", "--methods", method]
     assert main(["eval", "--lengths", "512", *common, "--out", str(tmp_path / "e.json")]) == 0
     cache = tmp_path / "e.samples.jsonl"
-    assert main(["needles", "--length", "512", *common, "--scores", str(cache), "--out", str(tmp_path / "n.json")]) == 0
+    assert (
+        main(
+            [
+                "experimental",
+                "needles",
+                "--length",
+                "512",
+                *common,
+                "--scores",
+                str(cache),
+                "--out",
+                str(tmp_path / "n.json"),
+            ]
+        )
+        == 0
+    )
     assert "| identity:query_rows=64:query_window=16:tail=64 | pooled | 2 |" in capsys.readouterr().out
     evals = {(r["prompt"], r["method"]): r for r in map(json.loads, cache.read_text().splitlines())}
     got = json.loads((tmp_path / "n.json").read_text())
@@ -212,7 +234,7 @@ def test_needles_agrees_with_the_eval_records(tmp_path, capsys):
 
 
 def test_needles_refuses_bad_input(capsys, tmp_path):
-    assert main(["needles", "--tasks", "vt"]) == 2
+    assert main(["experimental", "needles", "--tasks", "vt"]) == 2
     assert "not needle task(s): vt" in capsys.readouterr().err
-    assert main(["needles", "--samples", "1", "--scores", str(tmp_path / "none.jsonl")]) == 2
+    assert main(["experimental", "needles", "--samples", "1", "--scores", str(tmp_path / "none.jsonl")]) == 2
     assert "eval cache not found" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from ridgefill.engine import Engine
 from ridgefill.errors import MapError, RidgefillError
 from ridgefill.fit.maps import FillMaps, fingerprint, load_maps, save_maps
 from ridgefill.fit.ridge import FitConfig, fit_maps
-from ridgefill.methods import FillSettings, run_prefill
+from ridgefill.methods import FillSettings, Prefill, resolve_prefill, run_prefill
 from ridgefill.models import hf
 from ridgefill.ops.attention import apply_rope
 
@@ -49,7 +50,7 @@ def test_split_at_top_equals_exact(tiny):
     ids = _ids(40)
     eng = Engine(tiny)
     res = run_prefill(eng, ids, "identity", settings=FillSettings(split=tiny.num_layers, sink=2, tail=4))
-    assert res.meta["ran_exact"]
+    assert res.ran_exact
     _assert_same(res, eng.prefill_exact(ids), tiny.num_layers)
 
 
@@ -57,7 +58,7 @@ def test_tail_covering_prompt_equals_exact(tiny):
     ids = _ids(30)
     eng = Engine(tiny)
     res = run_prefill(eng, ids, "identity", settings=FillSettings(split=1, sink=2, tail=30))
-    assert res.meta["ran_exact"]
+    assert res.ran_exact
     _assert_same(res, eng.prefill_exact(ids), tiny.num_layers)
 
 
@@ -67,7 +68,7 @@ def test_identity_fill_keeps_shallow_layers_and_full_rows_exact(tiny):
     eng = Engine(tiny)
     exact = eng.prefill_exact(ids)
     res = run_prefill(eng, ids, "identity", settings=FillSettings(split=1, sink=sink, tail=tail, outlier_factor=None))
-    assert not res.meta["ran_exact"] and res.meta["bulk_rows"] == n - sink - tail
+    assert not res.ran_exact and res.plan.filled == n - sink - tail
     k_res, v_res = hf.cache_kv(res.cache, 0)
     k_ex, v_ex = hf.cache_kv(exact.cache, 0)
     torch.testing.assert_close(k_res, k_ex, atol=1e-5, rtol=0)  # layer below the split: all rows exact
@@ -249,7 +250,7 @@ def test_sentence_ends_read_the_tokenizer(smollm2):
     assert torch.equal(sentence_ends(Engine(smollm2), ids), ends) and _SENTENCE_END_IDS[smollm2.tokenizer] is table
     s = FillSettings(split=15, sink=2, tail=4, outlier_factor=None, query_rows=4, query_window=2, query_sentence=32)
     res = run_prefill(eng, ids, "identity", settings=s)
-    full = res.meta["full_positions"][2:]  # past the sinks; the tail ends the prompt's last sentence
+    full = res.plan.full[2:]  # past the sinks; the tail ends the prompt's last sentence
     assert len(full) > 4 + 2  # more than the tail and one window
     # the chosen rows are whole sentences: each run of full rows starts after an end and stops at one
     runs = full.tolist()
@@ -265,7 +266,7 @@ def test_query_rows_covering_the_prompt_equal_exact(tiny):
     eng = Engine(tiny)
     s = FillSettings(split=1, sink=2, tail=4, outlier_factor=None, query_rows=96, query_window=2)
     res = run_prefill(eng, ids, "identity", settings=s)
-    assert res.meta["bulk_rows"] == 0
+    assert res.plan.filled == 0
     _assert_same(res, eng.prefill_exact(ids), tiny.num_layers)
 
 
@@ -281,7 +282,7 @@ def test_query_rows_find_the_rows_the_question_attends_to(fitted):
     assert scores.shape == (96,) and bool((scores >= 0).all()) and float(scores.max()) <= 1.0
     s = FillSettings(split=1, sink=2, tail=8, outlier_factor=None, query_rows=8, query_window=8, query_last=8)
     res = run_prefill(eng, ids, "identity", settings=s)
-    assert res.meta["full_rows"] == 2 + 8 + 8 and res.meta["bulk_rows"] == 96 - 18
+    assert len(res.plan.full) == 2 + 8 + 8 and res.plan.filled == 96 - 18
     cand = torch.ones(96, dtype=torch.bool)
     cand[:2] = cand[88:] = False
     chosen = pick_spans(scores, cand, 8, 8)
@@ -298,16 +299,16 @@ def test_query_rows_find_the_rows_the_question_attends_to(fitted):
 def test_method_variants_parse_into_settings(fitted):
     import argparse
 
-    from ridgefill.cli.common import method_spec
+    from ridgefill.cli.common import method_prefill
 
     lm, _, _ = fitted
-    args = argparse.Namespace(sink=4, tail=256, maps=None)
-    spec = method_spec(lm, "identity:query_rows=128:tail=64:outlier_factor=none", 1, args)
+    args = argparse.Namespace(split=1, sink=4, tail=256, query_rows=None, maps=None)
+    spec = method_prefill(lm, "identity:query_rows=128:tail=64:outlier_factor=none", args)
     assert spec.label == "identity:query_rows=128:tail=64:outlier_factor=none" and spec.method == "identity"
-    assert spec.kwargs["settings"] == FillSettings(1, 4, 64, None, 128)
-    for bad in ("identity:depth=3", "identity:tail=x", "identity:tail", "magic"):
+    assert spec.settings == FillSettings(1, 4, 64, None, 128)
+    for bad in ("identity:depth=3", "identity:tail=x", "identity:tail", "magic", "exact:tail=3"):
         with pytest.raises(RidgefillError):
-            method_spec(lm, bad, 1, args)
+            method_prefill(lm, bad, args)
 
 
 def test_batched_decode_equals_one_by_one(tiny):
@@ -324,13 +325,14 @@ def test_batched_decode_equals_one_by_one(tiny):
 
     tiny = replace(tiny, tokenizer=Bytes())
     ids = _ids(96)
-    fill = {"settings": FillSettings(split=1, sink=2, tail=8, outlier_factor=None)}
-    gate = {"settings": GateSettings(gate_layer=1, keep=0.5, block=8, local=8, tail=8, query_last=8, min_length=0)}
-    runs = [("exact", {}), ("identity", fill), ("exact", {}), ("tokengate", gate)]
+    fill = resolve_prefill(tiny, "identity", split=1, sink=2, tail=8, outlier_factor=None)
+    gate = GateSettings(gate_layer=1, keep=0.5, block=8, local=8, tail=8, query_last=8, min_length=0)
+    exact = Prefill("exact", "exact")
+    runs = [exact, fill, exact, resolve_prefill(tiny, "tokengate", settings=gate)]
     batch = generate_batch(tiny, ids, runs, max_new_tokens=12)
-    for (method, kw), got in zip(runs, batch, strict=True):
-        one = generate(tiny, ids, method, max_new_tokens=12, **kw)
-        assert got.token_ids == one.token_ids, method
+    for pre, got in zip(runs, batch, strict=True):
+        one = generate(tiny, ids, prefill=pre, max_new_tokens=12)
+        assert got.token_ids == one.token_ids, pre.label
         assert got.ttft_s > 0 and got.decode_s >= 0
     assert batch[0].token_ids == batch[2].token_ids
     full = [hf.batch_signature(layer) for layer in batch[0].prefill.cache.layers]
@@ -362,19 +364,19 @@ def test_resumed_top_layers_run_every_row(tiny):
         for x, y in zip(hf.cache_kv(res.cache, i), hf.cache_kv(base.cache, i), strict=True):
             torch.testing.assert_close(x, y, atol=2e-3, rtol=2e-3)  # the norm's eps sees the new scale
     torch.testing.assert_close(res.logits[1:], base.logits, atol=2e-3, rtol=2e-3)
-    assert res.logits.shape[0] == 2 and res.meta["full_rows"] == 10 and res.meta["plan"]["resume"] == 2
+    assert res.logits.shape[0] == 2 and len(res.plan.full) == 10 and res.plan.resume == 2
     with pytest.raises(RidgefillError, match="filled"):
         run_prefill(eng, ids, "identity", settings=plain, logit_rows=torch.tensor([40]))
-    parts, plan = tiny.parts, res.meta["plan"]
+    parts, plan = tiny.parts, res.plan
     assert (
-        plan_macs(parts, 96, {**plan, "resume": 3})
+        plan_macs(parts, 96, replace(plan, resume=3))
         < plan_macs(parts, 96, plan)
-        < plan_macs(parts, 96, {**plan, "resume": 1})
+        < plan_macs(parts, 96, replace(plan, resume=1))
     )
     # with dropped rows, resumed layers hold the kept rows only, at the prompt's true length
     dropped = FillSettings(split=1, sink=2, tail=8, outlier_factor=None, drop=0.5, block=8, resume=2)
     got = run_prefill(eng, ids, "identity", settings=dropped)
-    assert hf.cache_kv(got.cache, 2)[0].shape[2] == len(got.meta["plan"]["deep_keys"]) < 96 or any(
+    assert hf.cache_kv(got.cache, 2)[0].shape[2] == len(got.plan.deep_keys) < 96 or any(
         lp.sliding_window for lp in parts.layers
     )
     for bad in (1, 4):

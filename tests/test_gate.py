@@ -79,7 +79,7 @@ def test_keep_all_gate_equals_exact(tiny):
     ids = _ids(60)
     eng = Engine(tiny)
     res = run_prefill(eng, ids, "tokengate", settings=_gate(keep=1.0))
-    assert not res.meta["ran_exact"] and res.meta["kept_rows"] == 60
+    assert not res.ran_exact and len(res.plan.full) == 60
     _assert_same(res, eng.prefill_exact(ids), tiny.num_layers)
 
 
@@ -87,7 +87,7 @@ def test_keep_all_gate_with_every_sparse_block_equals_exact(tiny):
     ids = _ids(60)
     eng = Engine(tiny)
     res = run_prefill(eng, ids, "tokengate", settings=_gate(keep=1.0, sparse_keep=1.0 - 1e-9))
-    assert res.meta["plan"]["lower_pairs"] or tiny.parts.layers[0].sliding_window
+    assert res.plan.lower_pairs or tiny.parts.layers[0].sliding_window
     _assert_same(res, eng.prefill_exact(ids), tiny.num_layers)
 
 
@@ -108,7 +108,7 @@ def test_decode_after_gating_sees_exactly_the_kept_rows(tiny):
     ids = _ids(n + 1)
     eng = Engine(tiny)
     res = run_prefill(eng, ids[:, :n], "tokengate", settings=_gate(keep=0.5))
-    kept = res.meta["full_positions"]
+    kept = res.plan.full
     assert 0 < len(kept) < n and res.cache.get_seq_length() == n
     assert hf.cache_kv(res.cache, 0)[0].shape[2] == n or tiny.parts.layers[0].sliding_window
     with torch.inference_mode():
@@ -123,10 +123,10 @@ def test_gate_reports_its_scores_and_the_needle_rank(tiny):
 
     ids = _ids(64)
     res = run_prefill(Engine(tiny), ids, "tokengate", settings=_gate(keep=0.5))
-    scores, cand = res.meta["row_scores"], res.meta["score_candidates"]
+    scores, cand = res.diagnostics["row_scores"], res.diagnostics["score_candidates"]
     assert scores.shape == (64,) and cand.dtype == torch.bool and not cand[-1]
     best = int(scores.masked_fill(~cand, float("-inf")).argmax())
-    info = needle_rows(res.meta, (best, best + 1))
+    info = needle_rows(res, (best, best + 1))
     assert info == {"needle_full": 1.0, "needle_rank": 1}
 
 
@@ -134,9 +134,9 @@ def test_length_gate_sends_short_prompts_to_exact(tiny):
     ids = _ids(60)
     eng = Engine(tiny)
     res = run_prefill(eng, ids, "tokengate", settings=_gate(keep=0.25, min_length=61))
-    assert res.meta["ran_exact"] and "length gate" in res.meta["reason"]
+    assert res.ran_exact and "length gate" in res.reason
     _assert_same(res, eng.prefill_exact(ids), tiny.num_layers)
-    assert not run_prefill(eng, ids, "tokengate", settings=_gate(keep=0.25, min_length=60)).meta["ran_exact"]
+    assert not run_prefill(eng, ids, "tokengate", settings=_gate(keep=0.25, min_length=60)).ran_exact
     assert length_threshold("no-such-model") == 0
 
 
@@ -165,9 +165,9 @@ def test_gated_fill_drops_rows_and_decodes(tiny):
     base = FillSettings(split=1, sink=2, tail=8, outlier_factor=None, block=8)
     plain = run_prefill(eng, ids, "identity", settings=base)
     scored = run_prefill(eng, ids, "identity", settings=FillSettings(**{**base.__dict__, "drop": 0.5}))
-    assert scored.meta["bulk_rows"] <= plain.meta["bulk_rows"] // 2 + 8
+    assert scored.plan.filled <= plain.plan.filled // 2 + 8
     deep = hf.cache_kv(scored.cache, tiny.num_layers - 1)[0].shape[2]
-    assert deep == scored.meta["full_rows"] + scored.meta["bulk_rows"] or tiny.parts.layers[-1].sliding_window
+    assert deep == len(scored.plan.full) + scored.plan.filled or tiny.parts.layers[-1].sliding_window
     assert scored.cache.get_seq_length() == 80
     with torch.inference_mode():
         logits, _ = hf.stock_forward(tiny.model, ids[:, -1:], scored.cache)
@@ -175,14 +175,18 @@ def test_gated_fill_drops_rows_and_decodes(tiny):
 
 
 def test_plan_macs():
+    from dataclasses import replace
+
+    from ridgefill.engine import Plan
+
     lm = make_tiny("llama")
     n = 64
-    everything = {"split": 1, "full": list(range(n)), "filled": 0, "fill": "none"}
+    everything = Plan(split=1, full=torch.arange(n), filled=0, fill="none")
     assert plan_macs(lm.parts, n, everything) == exact_macs(lm.parts, n)
     half = torch.arange(0, n, 2)
-    gated = {"split": 1, "full": half, "filled": 0, "fill": "none", "deep_keys": half}
+    gated = Plan(split=1, full=half, filled=0, fill="none", deep_keys=half)
     assert plan_macs(lm.parts, n, gated) < exact_macs(lm.parts, n)
-    assert plan_macs(lm.parts, n, {**everything, "lower_pairs": [10]}) < exact_macs(lm.parts, n)
+    assert plan_macs(lm.parts, n, replace(everything, lower_pairs=[10])) < exact_macs(lm.parts, n)
 
 
 def test_server_offers_tokengate_and_gated_ridge_with_maps(tmp_path):
@@ -191,7 +195,8 @@ def test_server_offers_tokengate_and_gated_ridge_with_maps(tmp_path):
     lm = make_tiny("llama")
     cfg = ServeConfig.for_model(lm, maps=tmp_path)  # an empty folder: no maps
     assert {"exact", "identity", "tokengate"} <= set(cfg.methods) and "gated-ridge" not in cfg.methods
-    assert cfg.methods["tokengate"]["settings"].gate_layer == 1
+    assert cfg.default_method == "exact"  # a tiny model has no tuned configuration
+    assert cfg.methods["tokengate"].settings.gate_layer == 1
 
 
 @pytest.mark.parametrize("arch", ["gemma3_text", "mistral"])
@@ -203,24 +208,25 @@ def test_gating_keeps_what_a_sliding_window_cache_must_hold(arch):
     ids = _ids(n + 1)
     eng = Engine(lm)
     res = run_prefill(eng, ids[:, :n], "tokengate", settings=_gate(keep=0.3, local=0, tail=2))
-    kept = res.meta["full_positions"]
+    kept = res.plan.full
     assert set(range(n - 7, n)) <= set(kept.tolist())
     with torch.inference_mode():
         logits, _ = hf.stock_forward(lm.model, ids[:, n:], res.cache)
         ref = _reference_step(eng, ids, kept, 1)
     torch.testing.assert_close(logits[0, -1:].float(), ref, atol=1e-4, rtol=0)
     filled = run_prefill(eng, ids[:, :n], "identity", settings=FillSettings(split=1, sink=2, tail=2, drop=0.9, block=8))
-    assert set(range(n - 7, n)) <= set(filled.meta["plan"]["deep_keys"].tolist())
+    assert set(range(n - 7, n)) <= set(filled.plan.deep_keys.tolist())
 
 
 def test_settings_of_the_wrong_kind_are_refused():
-    from ridgefill.methods import prefill_kwargs, settings_for
+    from ridgefill.methods import resolve_prefill
 
     lm = make_tiny("llama")
     with pytest.raises(RidgefillError, match="takes GateSettings, not FillSettings"):
-        prefill_kwargs(lm, "tokengate", FillSettings(split=1))
-    assert isinstance(settings_for("gated-ridge", split=1, local=9), FillSettings)  # unknown keys are ignored
-    assert prefill_kwargs(lm, "tokengate", settings_for("tokengate", sink=2))["settings"].gate_layer == 1
+        run_prefill(Engine(lm), _ids(40), "tokengate", settings=FillSettings(split=1))
+    with pytest.raises(RidgefillError, match="unknown setting 'local'.*valid settings: split"):
+        resolve_prefill(lm, "gated-ridge", split=1, local=9)
+    assert resolve_prefill(lm, "tokengate", sink=2).settings.gate_layer == 1
 
 
 def test_a_shared_block_sparse_lower_pass_gives_the_same_fill(tiny):
@@ -236,7 +242,7 @@ def test_a_shared_block_sparse_lower_pass_gives_the_same_fill(tiny):
     assert shared.sparse == (0.5, 16) and pairs == shared.pairs
     again = run_prefill(eng, ids, "identity", settings=s, lower=shared)
     assert torch.equal(alone.logits, again.logits)
-    assert again.meta["plan"]["lower_pairs"] == alone.meta["plan"]["lower_pairs"]
+    assert again.plan.lower_pairs == alone.plan.lower_pairs
     other, _ = run_lower(eng, ids, 1, 0.25, 16, shared)  # another keep: not reused
     assert other is not shared
     dense = eng.run_lower(ids, 1, start=shared)  # dense: recomputed, not continued

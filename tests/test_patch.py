@@ -41,7 +41,7 @@ def test_patched_exact_generate_equals_stock(arch):
     lm = make_tiny(arch)
     ids = _ids(48)
     want = _greedy(lm.model, ids)
-    ridgefill.patch(lm.model, method="exact", **SETTINGS)
+    ridgefill.patch(lm.model, method="exact")
     assert _greedy(lm.model, ids) == want
     state = ridgefill.patch_state(lm.model)
     assert state.ours == 1 and state.stock == 7  # one prefill of ours, then stock decode steps
@@ -89,12 +89,16 @@ def test_refusals(fitted_llama):
     other = make_tiny("qwen2")
     with pytest.raises(MapError, match="fitted on another model"):
         ridgefill.patch(other.model, maps["ridge"], method="ridge")
-    with pytest.raises(RidgefillError, match="needs fitted maps"):
-        ridgefill.patch(other.model, method="ridge")
+    with pytest.raises(RidgefillError, match="no ridge maps for split"):
+        ridgefill.patch(other.model, method="ridge")  # no tokenizer to fit them with: refused, not fitted
     with pytest.raises(RidgefillError, match="unknown prefill method"):
         ridgefill.patch(other.model, method="magic")
-    with pytest.raises(RidgefillError, match="'tokengate' is not supported"):
-        ridgefill.patch(other.model, method="tokengate")
+    with pytest.raises(RidgefillError, match="unknown setting 'splt'.*valid settings: split"):
+        ridgefill.patch(other.model, method="identity", splt=1)
+    with pytest.raises(RidgefillError, match="setting 'tail' of method 'identity' must be int"):
+        ridgefill.patch(other.model, method="identity", tail="8")
+    with pytest.raises(RidgefillError, match="takes no settings"):
+        ridgefill.patch(other.model, method="exact", tail=8)
     with pytest.raises(RidgefillError, match="not patched"):
         ridgefill.unpatch(other.model)
     ridgefill.patch(other.model, method="identity", **SETTINGS)
@@ -146,3 +150,20 @@ def test_smollm2_patched_generate(smollm2, smollm2_maps):
         assert ridgefill.patch_state(smollm2.model).ours == 1
     finally:
         ridgefill.unpatch(smollm2.model)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_patched_dropping_methods_decode_as_our_own_generate(arch):
+    """Methods that drop rows from the deep layers' cache (tokengate, ridge with `drop`, as the
+    tuned configurations use) decode through transformers' generate as through ours."""
+    lm = make_tiny(arch)
+    ids = _ids(96)
+    gate = dict(gate_layer=1, keep=0.5, block=8, local=8, tail=8, query_last=8, min_length=0)
+    for method, settings in (("tokengate", gate), ("identity", dict(SETTINGS, query_rows=8, drop=0.5, block=8))):
+        want = _ours(lm, ids, method, settings=ridgefill.resolve_prefill(lm, method, **settings).settings)
+        ridgefill.patch(lm.model, method=method, **settings)
+        try:
+            assert _greedy(lm.model, ids) == want, method
+            assert ridgefill.patch_state(lm.model).ours == 1
+        finally:
+            ridgefill.unpatch(lm.model)

@@ -61,7 +61,7 @@ def test_bench_writes_paired_results(maps_dir, tmp_path):
 
 def test_fill_error_report(maps_dir, tmp_path):
     out, png = tmp_path / "fe.json", tmp_path / "fe.png"
-    argv = ["fill-error", "--length", "1024", "--docs", "1", "--maps", str(maps_dir), "--out", str(out)]
+    argv = ["experimental", "fill-error", "--length", "1024", "--docs", "1", "--maps", str(maps_dir), "--out", str(out)]
     assert main([*argv, "--plot", str(png)]) == 0
     err = json.loads(out.read_text())["rel_err"]
     assert set(err) == {"identity", "ridge", "kva"} and len(err["ridge"]["20"]["k"]) == 5

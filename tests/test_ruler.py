@@ -9,8 +9,8 @@ import torch
 
 from ridgefill.eval import ruler
 from ridgefill.eval.adapter import EngineAdapter, prepare
-from ridgefill.eval.ppl import MethodSpec
 from ridgefill.eval.runner import run_eval, summarise
+from ridgefill.methods import Prefill
 
 ESSAY = ruler.essay_sentences([f"Sentence number {i} talks about the weather in the valley." for i in range(3000)])
 
@@ -120,7 +120,7 @@ def test_prompts_fill_the_length_exactly(smollm2, task):
 
 @pytest.mark.slow
 def test_exact_against_itself_has_zero_delta(smollm2, tmp_path):
-    specs = [MethodSpec("exact", "exact", {}), MethodSpec("exact-again", "exact", {})]
+    specs = [Prefill("exact", "exact"), Prefill("exact-again", "exact")]
     task = [ruler.RulerTask("niah_single_1")]
     recs = run_eval(EngineAdapter(smollm2, specs), task, [512], 2, tmp_path / "c.jsonl")
     again = next(r for r in summarise(recs)["results"] if r["method"] == "exact-again")
@@ -143,21 +143,23 @@ def test_summary_pairs_ttft_per_prompt_within_one_run():
     assert legacy["m"]["ttft_speedup"] == 3.0 and legacy["m"]["ttft_pairs"] == 4
 
 
-def test_cache_key_names_what_a_record_was_computed_with():
+def test_cache_key_names_what_a_record_was_computed_with(monkeypatch):
     from conftest import make_tiny
-    from ridgefill.eval.adapter import _key_settings, config_key
+    from ridgefill.eval.adapter import CACHE_SCHEMA, config_key
     from ridgefill.methods import FillSettings
 
     lm = make_tiny("llama")
 
     def key(model, split=1, tail=8, **kw):
-        return config_key(model, MethodSpec("m", "identity", {"settings": FillSettings(split=split, tail=tail, **kw)}))
+        return config_key(model, Prefill("m", "identity", FillSettings(split=split, tail=tail, **kw)))
 
     assert key(lm) == key(lm)
     assert len({key(lm), key(lm, split=2), key(lm, tail=16), key(make_tiny("llama", dtype=torch.bfloat16))}) == 4
-    # A field added after the committed caches is left out of the key at its default only.
-    assert key(lm, query_sentence=16) != key(lm)
-    assert "query_sentence" not in _key_settings(FillSettings())
+    assert key(lm, query_sentence=16) != key(lm)  # every settings field is part of the key
+    # The key carries the cache schema: records written under another one are recomputed.
+    before = key(lm)
+    monkeypatch.setattr("ridgefill.eval.adapter.CACHE_SCHEMA", CACHE_SCHEMA + 1)
+    assert key(lm) != before
     assert key(make_tiny("llama", seed=1)) != key(lm)  # other weights
 
 

@@ -94,7 +94,8 @@ def test_search_pairs_against_exact_and_bundle_round_trips(smollm2, smollm2_maps
     (no PPL increase, no NIAH loss) and be chosen under a near-zero budget; plain ridge must not.
     With waves of one, a second such candidate is not measured once the first met the budgets."""
     from ridgefill.fit.maps import find_maps
-    from ridgefill.tune.bundle import load_tuned, write_bundle
+    from ridgefill.methods import resolve_prefill
+    from ridgefill.tune.bundle import write_bundle
     from ridgefill.tune.search import run_search, tuning_set
 
     cfg = TuneConfig(budget_niah=0.0, budget_ppl=0.01, length=512, samples=1, ppl_docs=1, ppl_tail=64, wave=1)
@@ -125,14 +126,14 @@ def test_search_pairs_against_exact_and_bundle_round_trips(smollm2, smollm2_maps
     assert ticks.count("perplexity") == 4 and ticks.count("NIAH") == 4 * 2
 
     path = write_bundle(maps[15], {"method": "ridge", "settings": full["settings"]}, tmp_path / "b.safetensors")
-    method, kwargs = load_tuned(smollm2, path)
-    assert method == "ridge" and kwargs["settings"] == FillSettings(**full["settings"])
+    pre = resolve_prefill(smollm2, "tuned", maps=path)
+    assert pre.method == "ridge" and pre.settings == FillSettings(**full["settings"])
     with pytest.raises(MapError, match="not the maps' split"):
         write_bundle(maps[15], {"method": "ridge", "settings": {"split": 10}}, tmp_path / "c.safetensors")
     with pytest.raises(MapError, match="without a tuned configuration"):
-        load_tuned(smollm2, smollm2_maps / "smollm2-135m.ridge.s15.safetensors")
+        resolve_prefill(smollm2, "tuned", maps=smollm2_maps / "smollm2-135m.ridge.s15.safetensors")
     with pytest.raises(MapError, match="no tuned bundle"):
-        load_tuned(smollm2, tmp_path / "missing")
+        resolve_prefill(smollm2, "tuned", maps=tmp_path / "missing")
 
 
 @pytest.mark.slow
@@ -181,19 +182,19 @@ def test_tune_cli_writes_results_plot_and_a_bundle_generate_reads(smollm2_maps, 
 
 @pytest.mark.slow
 def test_tuned_falls_back_to_the_shipped_default_with_the_users_maps(smollm2, smollm2_maps, monkeypatch):
-    from ridgefill.tune import bundle
+    from ridgefill.methods import resolve, resolve_prefill
 
-    monkeypatch.setattr(bundle, "shipped_defaults", lambda: {})
-    with pytest.raises(MapError, match="no shipped default"):
-        bundle.load_tuned(smollm2, smollm2_maps)
+    monkeypatch.setattr(resolve, "shipped_defaults", lambda: {})
+    with pytest.raises(MapError, match="no shipped configuration"):
+        resolve_prefill(smollm2, "tuned", maps=smollm2_maps)
     default = {"method": "ridge", "settings": {"split": 15, "tail": 256, "query_rows": 512, "drop": 0.5}}
-    monkeypatch.setattr(bundle, "shipped_defaults", lambda: {"smollm2-135m": default})
-    method, kwargs = bundle.load_tuned(smollm2, smollm2_maps)
-    assert method == "ridge" and kwargs["maps"].split == 15
-    assert kwargs["settings"] == FillSettings(split=15, tail=256, query_rows=512, drop=0.5)
+    monkeypatch.setattr(resolve, "shipped_defaults", lambda: {"smollm2-135m": default})
+    pre = resolve_prefill(smollm2, "tuned", maps=smollm2_maps)
+    assert pre.method == "ridge" and pre.maps.split == 15
+    assert pre.settings == FillSettings(split=15, tail=256, query_rows=512, drop=0.5)
     default["settings"]["split"] = 12  # no maps for it in that folder: says how to fit them
     with pytest.raises(MapError, match="--splits 12"):
-        bundle.load_tuned(smollm2, smollm2_maps)
+        resolve_prefill(smollm2, "tuned", maps=smollm2_maps, fit_missing=False)
 
 
 def test_tune_fits_missing_maps_with_facts_and_refuses_others(smollm2, smollm2_maps, tmp_path, monkeypatch):

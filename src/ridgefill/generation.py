@@ -1,7 +1,8 @@
 """Prompt encoding and generation: our prefill, then the unmodified model decodes.
 
-What it is: `generate(lm, prompt, method=...)`. The chosen method fills a stock cache; every
-decode step is the stock transformers forward. What it is not: a server or a batcher (batch 1).
+What it is: `generate(lm, prompt, method=..., **settings)`. The method (by default `tuned` where
+the model has a tuned configuration, else exact; see methods/resolve.py) fills a stock cache;
+every decode step is the stock transformers forward. What it is not: a server or a batcher (batch 1).
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from typing import Any
 
 import torch
 
-from ridgefill.engine import Engine, PrefillResult
+from ridgefill.engine import Engine, LowerState, PrefillResult
 from ridgefill.errors import PromptError, RidgefillError
-from ridgefill.methods import run_prefill
+from ridgefill.methods import Prefill, resolve_prefill
 from ridgefill.models import hf
+from ridgefill.models.device import synchronize
 from ridgefill.models.loading import LoadedModel
 
 
@@ -122,6 +124,7 @@ def _sampler(temperature: float, top_p: float, seed: int | None) -> Callable[[to
     gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
 
     def pick(logits: torch.Tensor) -> int:  # (V,) float32
+        logits = logits.cpu()  # the generator lives on the CPU; V numbers are cheap to move
         if temperature == 0:
             return int(logits.argmax())
         probs = torch.softmax(logits / temperature, dim=-1)
@@ -153,7 +156,7 @@ def stream_tokens(
         yield tok
         if tok in stops or step == max_new_tokens - 1:
             return
-        logits, cache = hf.stock_forward(lm.model, torch.tensor([[tok]]), cache)
+        logits, cache = hf.stock_forward(lm.model, torch.tensor([[tok]], device=lm.device), cache)
         tok = pick(logits[0, -1].float())
 
 
@@ -181,7 +184,7 @@ def _greedy_batch(
     for _ in range(max_new_tokens - 1):
         if not any(live):
             break
-        logits, cache = hf.stock_forward(lm.model, torch.tensor([[t] for t in toks]), cache)
+        logits, cache = hf.stock_forward(lm.model, torch.tensor([[t] for t in toks], device=lm.device), cache)
         toks = [int(t) for t in logits[:, -1].float().argmax(-1)]
         for b, t in enumerate(toks):
             if live[b]:
@@ -191,9 +194,10 @@ def _greedy_batch(
 
 
 def generate_batch(
-    lm: LoadedModel, ids: torch.Tensor, runs: list[tuple[str, dict]], max_new_tokens: int
+    lm: LoadedModel, ids: torch.Tensor, runs: list[Prefill], max_new_tokens: int, lower: LowerState | None = None
 ) -> list[GenerationResult]:
-    """Greedy generation of one (1, N) prompt under several (method, kwargs), as `generate` does
+    """Greedy generation of one (1, N) prompt under several prefills (each continuing from the
+    shared lower layers `lower` where it can), as `generate` does
     one by one: each prefill is timed on its own (TTFT); the decodes whose caches hold the same
     keys in every layer run as one batch of the stock forward (per row the same greedy tokens up
     to floating-point rounding), the others alone. A row's `decode_s` is its share of its batch."""
@@ -201,9 +205,10 @@ def generate_batch(
     _check_room(lm, n, max_new_tokens)
     engine = Engine(lm)
     pres, firsts, ttfts = [], [], []
-    for method, kwargs in runs:
+    for prefill in runs:
+        synchronize(lm.device)
         t0 = time.perf_counter()
-        pre = run_prefill(engine, ids, method, **kwargs)
+        pre = prefill.run(engine, ids, lower=lower)
         firsts.append(int(pre.logits[-1].float().argmax()))
         ttfts.append(time.perf_counter() - t0)
         pres.append(pre)
@@ -224,31 +229,44 @@ def generate_batch(
 def generate(
     lm: LoadedModel,
     prompt: str | torch.Tensor,
-    method: str = "exact",
+    method: str | None = None,
+    *,
+    prefill: Prefill | None = None,
+    maps: Any = None,
     max_new_tokens: int = 64,
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int | None = None,
     chat: bool = True,
-    **method_kwargs: Any,
+    **settings: Any,
 ) -> GenerationResult:
     """Prefill with `method`, then decode with the unmodified model.
 
     Args:
         prompt: text (chat-templated when `chat` and the tokenizer has a template) or (1, N) ids.
-        method: a name from `ridgefill.methods.METHODS`.
-        method_kwargs: passed to the method (maps, split, tail, ...).
+        method: a method name (`ridgefill.METHODS`, or `tuned`), optionally with settings as in
+            `ridge:tail=512`; None: `tuned` where the model has a tuned configuration, else exact.
+        prefill: a `resolve_prefill` result to reuse instead of `method`, `maps` and `settings`.
+        maps: fitted maps, a map file or folder (default: the model's cache, fitted on first use).
+        settings: the method's settings by name (split=12, tail=512, ...); unknown names and wrong
+            types are refused with the list of valid ones.
     """
+    if prefill is None:
+        prefill = resolve_prefill(lm, method, maps=maps, **settings)
+    elif method is not None or maps is not None or settings:
+        raise RidgefillError("pass either prefill= or a method with its maps and settings, not both")
     ids = prompt if isinstance(prompt, torch.Tensor) else encode_prompt(lm, prompt, chat=chat)
     n = int(ids.shape[1])
     _check_room(lm, n, max_new_tokens)
     engine = Engine(lm)
+    synchronize(lm.device)
     t0 = time.perf_counter()
-    pre = run_prefill(engine, ids, method, **method_kwargs)
+    pre = prefill.run(engine, ids)
     out: list[int] = []
     ttft = 0.0
     for tok in stream_tokens(lm, ids, pre, max_new_tokens, temperature, top_p, seed):
         if not out:
+            synchronize(lm.device)
             ttft = time.perf_counter() - t0
         out.append(tok)
     total = time.perf_counter() - t0

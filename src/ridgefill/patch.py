@@ -1,14 +1,15 @@
-"""`ridgefill.patch(model, maps=..., method="ridge")`: the user's own transformers model, faster.
+"""`ridgefill.patch(model, method=...)`: the user's own transformers model, faster.
 
 What it is: the returned object is the same model. A forward call that is a prefill (no cache yet,
 `input_ids` given, batch 1, prompt longer than `sink + tail`) runs our prefill with the chosen
 method and fills the cache that `generate` passed in; every other call (decode steps, short
 prompts, `labels`, `inputs_embeds`, custom positions) runs the stock forward untouched, so
 `generate`'s own arguments (sampling, `max_new_tokens`, `streamer`) all work. `unpatch` restores
-the model exactly.
+the model exactly. The method is resolved once, as everywhere (methods/resolve.py): by default
+`tuned` where the model has a tuned configuration, else exact.
 
-Logits: rows that ran every layer (sinks, tail) carry real logits. Rows whose deep layers were
-filled never reach the head; with a fill method and `logits_to_keep=0` (all rows) they are NaN,
+Logits: rows that ran every layer (sinks, tail) carry real logits. Rows that skipped deep layers
+never reach the head; with a skipping method and `logits_to_keep=0` (all rows) they are NaN,
 so nothing downstream can mistake them for predictions. `logits_to_keep=k` with k <= tail gives
 exactly the last k rows. What it is not: batching (batch size > 1 is refused on the prefill path).
 """
@@ -17,83 +18,93 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ridgefill.engine import Engine
 from ridgefill.errors import RidgefillError
-from ridgefill.fit.maps import MAP_METHODS, FillMaps, load_maps
-from ridgefill.methods import FILL_METHODS, FillSettings, get_method, run_prefill
+from ridgefill.fit.maps import FillMaps
+from ridgefill.methods import Prefill, resolve_prefill
 from ridgefill.models import hf
 from ridgefill.models.loading import LoadedModel
-
-# The gated methods (tokengate, gated-ridge) drop rows and would need their own settings here.
-PATCH_METHODS = ("exact", *FILL_METHODS)
 
 
 @dataclass
 class PatchState:
     """How a patched model prefills, and how often each path ran."""
 
-    method: str
-    settings: FillSettings
-    maps: FillMaps | None = field(default=None, repr=False)
+    prefill: Prefill
     ours: int = 0  # prefills our engine answered
     stock: int = 0  # calls passed to the stock forward
     engine: Engine | None = field(default=None, repr=False)
 
     @property
+    def method(self) -> str:
+        return self.prefill.method
+
+    @property
+    def settings(self):
+        return self.prefill.settings
+
+    @property
     def threshold(self) -> int:
         """Prompts up to this many tokens take the stock path."""
-        return self.settings.sink + self.settings.tail
+        s = self.prefill.settings
+        return 0 if s is None else s.sink + s.tail
 
 
 def patch(
-    model: torch.nn.Module,
+    model: torch.nn.Module | LoadedModel,
     maps: FillMaps | str | Path | None = None,
-    method: str = "ridge",
+    method: str | None = None,
     *,
-    split: int | None = None,
-    sink: int = 4,
-    tail: int = 256,
-    outlier_factor: float | None = 8.0,
+    tokenizer: Any = None,
+    name: str | None = None,
+    fit_missing: bool = True,
+    **settings: Any,
 ) -> torch.nn.Module:
-    """Make `model`'s prefill run `method`; return the same model.
+    """Make `model`'s prefill run `method`; return the same (transformers) model.
 
     Args:
-        maps: fitted maps (a `FillMaps` or a map file) for `ridge`/`kva`; their split wins.
-        method: exact, identity, ridge or kva.
-        split, sink, tail, outlier_factor: as in `FillSettings` (split defaults to half the layers).
+        model: a transformers causal LM, or a `LoadedModel` (`ridgefill.load_model`), which brings
+            its short name and tokenizer.
+        maps: fitted maps, a map file or folder, or a tuned bundle (default: the model's cache folder).
+        method: any method name (`tuned`, `ridge`, `gated-ridge`, ...); None: `tuned` where the model
+            has a tuned configuration, else exact.
+        tokenizer: the model's tokenizer; needed to fit maps on first use and for sentence spans
+            (`query_sentence`). Default: the LoadedModel's.
+        name: the model's short name (e.g. `smollm2-135m`), under which tuned configurations and
+            cached maps are found; default the LoadedModel's, else the config's `name_or_path`.
+        fit_missing: fit missing maps on first use (else refuse).
+        settings: the method's settings by name (split, sink, tail, ...), checked.
     """
-    get_method(method)
-    if method not in PATCH_METHODS:
-        raise RidgefillError(f"ridgefill.patch runs {', '.join(PATCH_METHODS)}; {method!r} is not supported here yet")
-    lm = LoadedModel(model, None, getattr(model.config, "name_or_path", "") or "model", hf.model_parts(model))
-    if isinstance(maps, (str, Path)):
-        maps = load_maps(maps, lm)
-    if method in MAP_METHODS:
-        if maps is None:
-            raise RidgefillError(f"method {method!r} needs fitted maps: patch(model, maps='...safetensors')")
-        if maps.method != method:
-            raise RidgefillError(f"these maps are for {maps.method!r}, not {method!r}")
-        maps.check_model(lm)
-        split = maps.split
-    settings = FillSettings(lm.num_layers // 2 if split is None else split, sink, tail, outlier_factor)
-    settings.check(lm.num_layers)
-    state = PatchState(method, settings, maps, engine=Engine(lm))
-    hf.wrap_forward(model, lambda call: _answer(state, call), state)
-    return model
+    if isinstance(model, LoadedModel):
+        lm = LoadedModel(model.model, tokenizer or model.tokenizer, name or model.name, model.parts)
+    else:
+        label = name or getattr(model.config, "name_or_path", "") or "model"
+        lm = LoadedModel(model, tokenizer, label, hf.model_parts(model))
+    if lm.tokenizer is None and fit_missing and method not in ("exact", "identity", "tokengate"):
+        fit_missing = False  # fitting reads text, which needs the tokenizer: refuse missing maps instead
+    prefill = resolve_prefill(lm, method, maps=maps, fit_missing=fit_missing, **settings)
+    s = prefill.settings
+    if lm.tokenizer is None and getattr(s, "query_sentence", 0) and getattr(s, "query_rows", 0):
+        raise RidgefillError(f"{prefill.label} finds sentence ends with the tokenizer: patch(model, tokenizer=...)")
+    state = PatchState(prefill, engine=Engine(lm))
+    hf.wrap_forward(lm.model, lambda call: _answer(state, call), state)
+    return lm.model
 
 
-def unpatch(model: torch.nn.Module) -> torch.nn.Module:
+def unpatch(model: torch.nn.Module | LoadedModel) -> torch.nn.Module:
     """Undo `patch`: the model's forward is its class's own again."""
+    model = model.model if isinstance(model, LoadedModel) else model
     hf.unwrap_forward(model)
     return model
 
 
-def patch_state(model: torch.nn.Module) -> PatchState | None:
+def patch_state(model: torch.nn.Module | LoadedModel) -> PatchState | None:
     """The patch of `model` (method, settings, call counts), or None."""
-    return hf.patch_state(model)
+    return hf.patch_state(model.model if isinstance(model, LoadedModel) else model)
 
 
 def _answer(state: PatchState, call: hf.ForwardCall):
@@ -109,24 +120,23 @@ def _answer(state: PatchState, call: hf.ForwardCall):
         state.stock += 1
         return None
     keep = call.logits_to_keep
-    if not isinstance(keep, int) or keep > state.settings.tail and state.method in FILL_METHODS:
-        state.stock += 1  # logits asked for rows that would be filled
+    s = state.prefill.settings
+    if not isinstance(keep, int) or s is not None and keep > s.tail:
+        state.stock += 1  # logits asked for rows that would skip deep layers
         return None
     if keep > 0:
         rows = torch.arange(n - keep, n)
-    elif state.method in FILL_METHODS:
-        s = state.settings
+    elif s is not None:
         rows = torch.cat([torch.arange(min(s.sink, n - s.tail)), torch.arange(n - s.tail, n)])
     else:
         rows = torch.arange(n)
-    kwargs = {"settings": state.settings, "maps": state.maps} if state.method in FILL_METHODS else {}
     # Fill the cache the caller (generate) made, so that it keeps its own object.
-    res = run_prefill(state.engine, ids, state.method, logit_rows=rows, cache=call.cache, **kwargs)
+    res = state.prefill.run(state.engine, ids, logit_rows=rows.to(ids.device), cache=call.cache)
     state.ours += 1
     logits = res.logits[None]
     if keep == 0 and len(rows) < n:
-        full = torch.full((1, n, logits.shape[-1]), float("nan"), dtype=logits.dtype)
-        full[0, rows] = logits[0]
+        full = torch.full((1, n, logits.shape[-1]), float("nan"), dtype=logits.dtype, device=logits.device)
+        full[0, rows.to(logits.device)] = logits[0]
         logits = full
     return logits, (None if call.use_cache is False and call.cache is None else res.cache)
 
@@ -135,4 +145,4 @@ def _plain_positions(call: hf.ForwardCall, n: int) -> bool:
     """No padding and positions 0..n-1: anything else is left to the stock forward."""
     if call.attention_mask is not None and not bool(call.attention_mask.all()):
         raise RidgefillError("ridgefill.patch runs unpadded batch-size-1 prompts; this one has padding")
-    return call.position_ids is None or torch.equal(call.position_ids.reshape(-1), torch.arange(n))
+    return call.position_ids is None or torch.equal(call.position_ids.reshape(-1).cpu(), torch.arange(n))

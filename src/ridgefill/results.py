@@ -18,26 +18,9 @@ import torch
 import transformers
 
 from ridgefill.files import atomic_path, write_text
+from ridgefill.models.device import cpu_bf16, cpu_model
 
-
-def _cpuinfo(key: str, cpuinfo: str | None = None) -> str | None:
-    """The first `key` line's value in `cpuinfo` (default: /proc/cpuinfo); None when absent."""
-    try:
-        text = cpuinfo if cpuinfo is not None else Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith(key)), None)
-
-
-def _cpu_model() -> str:
-    return _cpuinfo("model name") or platform.processor() or platform.machine()
-
-
-def cpu_bf16(cpuinfo: str | None = None) -> bool | None:
-    """Whether the CPU has native bf16 arithmetic (AVX512-BF16 or AMX-BF16; None: cannot tell),
-    from `cpuinfo` (default: /proc/cpuinfo). Where it does, bf16 is usually the faster exact baseline."""
-    flags = _cpuinfo("flags", cpuinfo)
-    return None if flags is None else bool({"avx512_bf16", "amx_bf16"} & set(flags.split()))
+__all__ = ["command_line", "cpu_bf16", "environment", "save_png", "write_json"]
 
 
 def environment() -> dict:
@@ -48,7 +31,7 @@ def environment() -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cpu_bf16": cpu_bf16(),
         "torch_threads": torch.get_num_threads(),
     }

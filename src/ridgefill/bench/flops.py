@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ridgefill.engine import Plan
 from ridgefill.models.hf import ModelParts
 
 
@@ -49,22 +50,17 @@ def exact_macs(parts: ModelParts, n: int) -> int:
     return total
 
 
-def plan_macs(parts: ModelParts, n: int, plan: dict) -> int:
-    """MACs of a skipping prefill described by its `plan` (what `PrefillResult.meta["plan"]` holds).
+def plan_macs(parts: ModelParts, n: int, plan: Plan) -> int:
+    """MACs of a skipping prefill described by its `plan` (`PrefillResult.plan`; see `Plan`).
 
-    plan keys: `split` (layers below it run every row), `full` (positions that run the deep layers),
-    `filled` (bulk rows whose deep K/V are filled), `fill` (identity, ridge, kva or none),
-    `deep_keys` (sorted key positions the deep layers' full rows see; default full + every filled
-    row, i.e. all rows), `lower_pairs` (visible query-key pairs per lower full-attention layer
-    under a sparse kernel; default dense) and `resume` (layers from it up run every kept row, the
-    bulk rows from a predicted input; default none).
+    Deep keys default to every row; lower layers to dense attention; no layer resumes by default.
     """
     d = parts.hidden_size
-    split, full, n_fill, fill = plan["split"], plan["full"], plan["filled"], plan["fill"]
-    full = torch.as_tensor(full, dtype=torch.long)
-    keys = plan.get("deep_keys")
-    lower_pairs = list(plan.get("lower_pairs") or [])
-    resume = plan.get("resume") or len(parts.layers)
+    split, n_fill, fill = plan.split, plan.filled, plan.fill
+    full = torch.as_tensor(plan.full, dtype=torch.long).cpu()
+    keys = None if plan.deep_keys is None else torch.as_tensor(plan.deep_keys).cpu()
+    lower_pairs = list(plan.lower_pairs or [])
+    resume = plan.resume or len(parts.layers)
     total = n_fill * (d + 1) * d if fill == "ridge" and resume < len(parts.layers) else 0  # resume's input
     for i, lp in enumerate(parts.layers):
         c = layer_costs(parts, i)
@@ -96,4 +92,4 @@ def plan_macs(parts: ModelParts, n: int, plan: dict) -> int:
 
 def fill_macs(parts: ModelParts, n: int, method: str, split: int, full: list[int]) -> int:
     """MACs of a fill prefill whose full rows are the positions `full` (every other row filled)."""
-    return plan_macs(parts, n, {"split": split, "full": full, "filled": n - len(full), "fill": method})
+    return plan_macs(parts, n, Plan(split=split, full=torch.as_tensor(full), filled=n - len(full), fill=method))

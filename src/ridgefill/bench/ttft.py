@@ -11,6 +11,7 @@ What it is not: an accuracy measurement; `ridgefill ppl` and `ridgefill eval` gi
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass
 
 import torch
@@ -18,10 +19,10 @@ from tqdm.auto import tqdm
 
 from ridgefill.bench.flops import exact_macs, plan_macs
 from ridgefill.bench.memory import PeakRSS
-from ridgefill.engine import Engine
+from ridgefill.engine import Engine, Plan
 from ridgefill.errors import RidgefillError, check_lengths
-from ridgefill.eval.ppl import MethodSpec
-from ridgefill.methods import run_prefill
+from ridgefill.methods import Prefill
+from ridgefill.models.device import synchronize
 from ridgefill.models.loading import LoadedModel
 
 
@@ -35,14 +36,14 @@ class BenchConfig:
     warmup_length: int | None = None
 
 
-def _flop_bound(engine: Engine, n: int, plan: dict | None) -> float:
+def _flop_bound(engine: Engine, n: int, plan: Plan | None) -> float:
     """Exact's MACs over this method's, for what its last run computed (None: it ran exact)."""
     if plan is None:
         return 1.0
     return exact_macs(engine.parts, n) / plan_macs(engine.parts, n, plan)
 
 
-def run_bench(lm: LoadedModel, cfg: BenchConfig, prompts: dict[int, list[int]], specs: list[MethodSpec]) -> list[dict]:
+def run_bench(lm: LoadedModel, cfg: BenchConfig, prompts: dict[int, list[int]], specs: list[Prefill]) -> list[dict]:
     """Time every method at every length; `prompts[length]` is the token list used.
 
     `specs` must include a plain `exact` (label "exact"): every speedup is paired against it.
@@ -60,17 +61,21 @@ def run_bench(lm: LoadedModel, cfg: BenchConfig, prompts: dict[int, list[int]], 
         times: dict[str, list[float]] = {m: [] for m in labels}
         attn: dict[str, list[float]] = {m: [] for m in labels}
         peaks: dict[str, float] = dict.fromkeys(labels, 0.0)
-        plans: dict[str, dict | None] = {}
+        plans: dict[str, Plan | None] = {}
         for rep in range(cfg.warmup + cfg.repeats):
             order = specs[rep % len(specs) :] + specs[: rep % len(specs)]
             x = ids if rep >= cfg.warmup or cfg.warmup_length is None else ids[:, : cfg.warmup_length]
             for spec in order:
                 with PeakRSS() as mem:
-                    res = run_prefill(engine, x, spec.method, **spec.kwargs)
+                    synchronize(lm.device)
+                    t0 = time.perf_counter()
+                    res = spec.run(engine, x)
+                    synchronize(lm.device)
+                    seconds = time.perf_counter() - t0
                 if rep >= cfg.warmup:
-                    plans[spec.label] = None if res.meta.get("ran_exact", True) else res.meta["plan"]
-                    times[spec.label].append(res.seconds)
-                    attn[spec.label].append(res.meta["attn_s"])
+                    plans[spec.label] = None if res.ran_exact else res.plan
+                    times[spec.label].append(seconds)
+                    attn[spec.label].append(res.attn_seconds)
                     peaks[spec.label] = max(peaks[spec.label], mem.peak_mb)
                 bar.update()
         ex = times["exact"]
@@ -97,7 +102,7 @@ def run_bench(lm: LoadedModel, cfg: BenchConfig, prompts: dict[int, list[int]], 
                     "attn_speedup": round(statistics.median(attn["exact"]) / attn_m, 3) if attn_m > 0 else None,
                     "tokens_per_s": round(n / statistics.median(t), 1),
                     "peak_mem_mb": round(peaks[m], 1),
-                    "full_rows": n if plans[m] is None else len(plans[m]["full"]),
+                    "full_rows": n if plans[m] is None else len(plans[m].full),
                     "ran_exact": plans[m] is None,
                     "repeats": cfg.repeats,
                 }

@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ridgefill.cli.common import default_split, resolve_method
+from ridgefill.cli.common import command_settings, dtype_name, load
 from ridgefill.errors import RidgefillError
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from ridgefill.generation import generate
-    from ridgefill.models import load_model
+    from ridgefill.methods import default_method, resolve_prefill
 
     prompt = args.prompt
     if args.prompt_file is not None:
@@ -20,13 +20,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = args.prompt_file.read_text(encoding="utf-8") + "\n\n" + prompt
     if not prompt.strip():
         raise RidgefillError("the prompt is empty: give --prompt and/or --prompt-file")
-    lm = load_model(args.model, dtype=args.dtype)
-    method, kwargs = resolve_method(lm, args.method, args.split, args)
+    lm = load(args)
+    spec = args.method or default_method(lm, args.maps)
+    pre = resolve_prefill(lm, spec, maps=args.maps, **command_settings(args, spec))
     res = generate(
         lm,
         prompt,
-        method=method,
-        **kwargs,
+        prefill=pre,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
@@ -34,8 +34,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         chat=not args.no_chat,
     )
     print(res.text)
+    fell_back = f", ran exact: {res.prefill.reason}" if res.prefill.ran_exact and pre.settings else ""
     print(
-        f"\n[{res.prefill.method}] prompt {res.prompt_tokens} tokens, TTFT {res.ttft_s:.3f} s, "
+        f"\n[{pre.label}: {pre.describe()}{fell_back}; "
+        f"{lm.name} {dtype_name(lm)} on {lm.device}] prompt {res.prompt_tokens} tokens, TTFT {res.ttft_s:.3f} s, "
         f"prefill {res.prefill.tokens_per_s:,.0f} tok/s, {len(res.token_ids)} tokens generated",
         file=sys.stderr,
     )
@@ -58,41 +60,10 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from ridgefill.demo import run_demo
-    from ridgefill.fit.maps import find_maps
-    from ridgefill.fit.ridge import FitConfig, fit_from_corpus
-    from ridgefill.methods import FillSettings, settings_for
-    from ridgefill.models import load_model
 
-    lm = load_model(args.model, dtype=args.dtype)
-    split = default_split(lm, args.split)
-    try:
-        maps = find_maps(lm, "ridge", split)
-        print(f"using cached ridge maps for split {split}")
-    except RidgefillError:
-        print(f"fitting ridge maps for split {split} (once; cached for later runs) ...")
-        fit_from_corpus(lm, FitConfig(splits=(split,), methods=("ridge",)), corpus=args.corpus)
-        maps = find_maps(lm, "ridge", split)
-    settings = FillSettings(split=split, tail=args.tail)
-    gated = settings_for("gated-ridge", split=split, tail=args.tail)
-    methods = {
-        "exact": {"method": "exact"},
-        "ridge": {"method": "ridge", "maps": maps, "settings": settings},
-        "gated-ridge": {"method": "gated-ridge", "maps": maps, "settings": gated},
-    }
-    prompt, results = run_demo(lm, methods, target_tokens=args.tokens)
-    print(
-        f"\nmodel {lm.name} ({args.dtype}): the magic number for {prompt.key!r} is {prompt.answer}, "
-        f"hidden at {prompt.depth:.0%} depth of a {prompt.input_ids.shape[1]}-token prompt"
-    )
-    for label, r in results.items():
-        found = "found" if prompt.answer in r.text else "missed"
-        print(
-            f"  {label:<11} TTFT {r.ttft_s:6.2f} s  prefill {r.prefill.tokens_per_s:7,.0f} tok/s  "
-            f"answer {r.text.strip()!r} ({found})"
-        )
-    for label in ("ridge", "gated-ridge"):
-        ratio = results["exact"].ttft_s / results[label].ttft_s
-        print(f"  {label} TTFT is {ratio:.2f}x faster than exact (split {split} of {lm.num_layers}, tail {args.tail})")
-    print("  gated-ridge: the 256 rows the question attends to run fully, half the rest is ridge-filled, half dropped")
-    print("  one sample, one run: `ridgefill bench` and `ridgefill ppl` give repeated, paired measurements")
+    lm = load(args)
+    report = run_demo(lm, target_tokens=args.tokens, maps=args.maps)
+    print()
+    for line in report.lines():
+        print(line)
     return 0

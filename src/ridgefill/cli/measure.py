@@ -5,16 +5,22 @@ from __future__ import annotations
 
 import argparse
 
-from ridgefill.cli.common import default_split, eval_tokens, ints, method_spec, names
+from ridgefill.cli.common import dtype_name, eval_tokens, ints, load, method_prefill, names
 from ridgefill.errors import RidgefillError, check_lengths
+
+
+def scored_tail(args: argparse.Namespace) -> int:
+    """Tail perplexity scores the last rows every method runs in full: --tail, else the default tail."""
+    from ridgefill.methods import FillSettings
+
+    return args.tail if args.tail is not None else FillSettings.tail
 
 
 def cmd_fit(args: argparse.Namespace) -> int:
     from ridgefill.fit.ridge import FitConfig, fit_from_corpus
-    from ridgefill.models import load_model
     from ridgefill.results import write_json
 
-    lm = load_model(args.model, dtype=args.dtype)
+    lm = load(args)
     splits = ints(args.splits) or (lm.num_layers // 3, lm.num_layers // 2, 2 * lm.num_layers // 3)
     cfg = FitConfig(
         splits=splits, methods=names(args.methods), segment_tokens=args.segment_tokens, facts=args.calib_facts
@@ -40,20 +46,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from ridgefill.bench.ttft import BenchConfig, run_bench
     from ridgefill.eval.adapter import spec_settings
-    from ridgefill.models import load_model
-    from ridgefill.results import cpu_bf16, write_json
+    from ridgefill.models.device import cpu_bf16
+    from ridgefill.results import write_json
 
-    lm = load_model(args.model, dtype=args.dtype)
-    split = default_split(lm, args.split)
+    lm = load(args)
     cfg = BenchConfig(ints(args.lengths), args.repeats, args.warmup, args.warmup_length)
     check_lengths(cfg.lengths, lm.name, lm.context_length)  # before maps load and prompts are cut
-    specs = [method_spec(lm, m, split, args) for m in names(args.methods)]
+    specs = [method_prefill(lm, m, args) for m in names(args.methods)]
     prompts = {n: eval_tokens(lm, args.corpus, n, 1)[0] for n in cfg.lengths}
     rows = run_bench(lm, cfg, prompts, specs)
     print(
-        f"{lm.name} ({args.dtype}), split {split}, sink {args.sink}, tail {args.tail}, "
+        f"{lm.name} ({dtype_name(lm)} on {lm.device}), "
         f"{cfg.warmup} warm-up{f' ({cfg.warmup_length} tokens)' if cfg.warmup_length else ''}, {cfg.repeats} repeats"
     )
+    for s in specs:
+        print(f"  {s.label}: {s.describe()}")
     w = max(9, *(len(s.label) for s in specs))
     print(
         f"{'length':>6} {'method':<{w}} {'median s':>9} {'speedup':>8} {'[min-max]':>13} {'FLOP bound':>10} "
@@ -65,46 +72,48 @@ def cmd_bench(args: argparse.Namespace) -> int:
             f"{r['speedup_min']:5.2f}-{r['speedup_max']:<5.2f}  {r['flop_bound']:9.2f}x {r['fraction_of_bound']:7.0%} "
             f"{r['attn_median_s']:8.3f} {r['attn_speedup'] or 0:6.2f}x {r['tokens_per_s']:8.0f} {r['peak_mem_mb']:9.0f}"
         )
-    if args.dtype == "float32" and cpu_bf16():
+    if dtype_name(lm) == "float32" and lm.device.type == "cpu" and cpu_bf16():
         print("note: this CPU computes bf16 natively; `--dtype bfloat16` is likely the faster exact baseline")
     if args.out:
         config = {
             **asdict(cfg),
-            "split": split,
-            "sink": args.sink,
-            "tail": args.tail,
+            "device": str(lm.device),
             "methods": [s.label for s in specs],
             # What each label ran (`tuned` resolves to the bundle's method and settings).
             "method_settings": {s.label: spec_settings(s) for s in specs},
         }
-        write_json(args.out, {"model": lm.name, "dtype": args.dtype, "config": config, "results": rows}, args.argv)
+        write_json(args.out, {"model": lm.name, "dtype": dtype_name(lm), "config": config, "results": rows}, args.argv)
     return 0
 
 
 def cmd_ppl(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from ridgefill.engine import Engine
-    from ridgefill.eval.ppl import MethodSpec, tail_ppl
-    from ridgefill.models import load_model
+    from ridgefill.eval.ppl import tail_ppl
+    from ridgefill.methods import Prefill, default_split
     from ridgefill.results import write_json
 
-    lm = load_model(args.model, dtype=args.dtype)
+    lm = load(args)
     check_lengths((args.length,), lm.name, lm.context_length)
     docs = eval_tokens(lm, args.corpus, args.length, args.docs)
-    specs = [MethodSpec("exact", "exact", {})]
-    for split in ints(args.splits) or (default_split(lm, None),):
+    tail = scored_tail(args)
+    specs = [Prefill("exact", "exact")]
+    for split in ints(args.splits) or (default_split(lm.num_layers),):
         for m in names(args.methods):
-            spec = method_spec(lm, m, split, args)
-            # A method without a split (tokengate) runs once, whatever --splits says.
-            label = f"{m}@{split}" if hasattr(spec.kwargs.get("settings"), "split") else m
+            spec = method_prefill(lm, m, args, split=split)
+            # A method without a split (tokengate, tuned) runs once, whatever --splits says.
+            fixed = m.startswith("tuned") or not hasattr(spec.settings, "split")
+            label = m if fixed else f"{m}@{spec.split}"
             if label not in {s.label for s in specs}:
-                specs.append(MethodSpec(label, spec.method, spec.kwargs))
-    rows = tail_ppl(Engine(lm), docs, specs, args.tail)
-    print(f"{lm.name}: tail perplexity of the last {args.tail} tokens, {len(docs)} held-out documents of {args.length}")
+                specs.append(replace(spec, label=label))
+    rows = tail_ppl(Engine(lm), docs, specs, tail)
+    print(f"{lm.name} ({dtype_name(lm)}): tail perplexity of the last {tail} tokens, {len(docs)} held-out documents")
     print(f"{'method':<14} {'tail NLL':>9} {'PPL':>8} {'vs exact':>9}")
     for r in rows:
         print(f"{r['method']:<14} {r['tail_nll']:9.4f} {r['ppl']:8.3f} {r['ppl_increase_pct']:+8.1f}%")
     if args.out:
-        write_json(args.out, {"model": lm.name, "dtype": args.dtype, "sink": args.sink, "ppl": rows}, args.argv)
+        write_json(args.out, {"model": lm.name, "dtype": dtype_name(lm), "ppl": rows}, args.argv)
     return 0
 
 
@@ -112,11 +121,11 @@ def cmd_fill_error(args: argparse.Namespace) -> int:
     from ridgefill.engine import Engine
     from ridgefill.eval.fill_error import WHATS, fill_errors, plot_fill_errors
     from ridgefill.fit.maps import MAP_METHODS, find_maps
-    from ridgefill.models import load_model
+    from ridgefill.methods import default_split
     from ridgefill.results import write_json
 
-    lm = load_model(args.model, dtype=args.dtype)
-    split = default_split(lm, args.split)
+    lm = load(args)
+    split = default_split(lm.num_layers) if args.split is None else args.split
     maps = {m: find_maps(lm, m, split, args.maps) for m in MAP_METHODS}
     docs = eval_tokens(lm, args.corpus, args.length, args.docs)
     errors = fill_errors(Engine(lm), docs, split, maps)
@@ -150,22 +159,20 @@ def cmd_fill_error(args: argparse.Namespace) -> int:
 
 def _ruler_setup(args: argparse.Namespace, lengths, allowed, unknown: str):
     """What `eval` and `needles` share: the tasks (checked against `allowed`), the model (lengths
-    checked against its context before any maps load), the split, the non-exact method specs and
-    the essay haystack from the corpus's evaluation split."""
+    checked against its context before any maps load), the non-exact methods and the essay
+    haystack from the corpus's evaluation split."""
     from ridgefill.corpus import load_corpus
     from ridgefill.eval.ruler import essay_sentences
-    from ridgefill.models import load_model
 
     tasks = names(args.tasks)
     bad = [t for t in tasks if t not in allowed]
     if bad:
         raise RidgefillError(f"{unknown} {', '.join(bad)}; choose from {', '.join(allowed)}")
-    lm = load_model(args.model, dtype=args.dtype)
+    lm = load(args)
     check_lengths(lengths, lm.name, lm.context_length)
-    split = default_split(lm, args.split)
-    specs = [method_spec(lm, m, split, args) for m in names(args.methods) if m != "exact"]
+    specs = [method_prefill(lm, m, args) for m in names(args.methods) if m != "exact"]
     essay = essay_sentences([d.text for d in load_corpus(args.corpus).part("eval")])
-    return tasks, lm, split, specs, essay
+    return tasks, lm, specs, essay
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -174,26 +181,28 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from ridgefill.engine import Engine
     from ridgefill.eval import report
     from ridgefill.eval.adapter import DECODE, EngineAdapter, spec_settings
-    from ridgefill.eval.ppl import MethodSpec, tail_ppl
+    from ridgefill.eval.ppl import tail_ppl
     from ridgefill.eval.ruler import TASKS, RulerTask
     from ridgefill.eval.runner import recovered_over_identity, run_eval, summarise
+    from ridgefill.methods import Prefill
     from ridgefill.models import cache_dir
     from ridgefill.results import write_json
 
     lengths = ints(args.lengths)
-    tasks, lm, split, methods, essay = _ruler_setup(args, lengths, TASKS, "unknown task(s)")
-    specs = [MethodSpec("exact", "exact", {}), *methods]
+    tasks, lm, methods, essay = _ruler_setup(args, lengths, TASKS, "unknown task(s)")
+    specs = [Prefill("exact", "exact"), *methods]
+    tail = scored_tail(args)
     t0 = time.perf_counter()
     cache = args.cache or (
         args.out.with_suffix(".samples.jsonl") if args.out else cache_dir() / "eval" / "samples.jsonl"
     )
     ruler_tasks = [RulerTask(t, tuple(essay)) for t in tasks]
-    records = run_eval(EngineAdapter(lm, specs), ruler_tasks, list(lengths), args.samples, cache, args.seed, args.tail)
+    records = run_eval(EngineAdapter(lm, specs), ruler_tasks, list(lengths), args.samples, cache, args.seed, tail)
     summary = summarise(records)
     ppl = []
     if args.ppl_docs:
         for n in lengths:
-            ppl += tail_ppl(Engine(lm), eval_tokens(lm, args.corpus, n, args.ppl_docs), specs, args.tail)
+            ppl += tail_ppl(Engine(lm), eval_tokens(lm, args.corpus, n, args.ppl_docs), specs, tail)
     recovered = recovered_over_identity(summary["results"])
     print(report.markdown(summary["results"], ppl))
     if any(r["method"] != "exact" for r in summary["niah_pooled"]):
@@ -209,7 +218,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     compute = round(sum(r.get("run_s", r["ttft_s"]) for r in records), 1)
     print(f"took {seconds} s (samples: {compute} s of compute over all runs); per-sample results cached in {cache}")
     if args.out:
-        settings = {"split": split, "sink": args.sink, "tail": args.tail, "seed": args.seed, "dtype": args.dtype}
+        settings = {"seed": args.seed, "dtype": dtype_name(lm), "device": str(lm.device), "scored_tail": tail}
         write_json(
             args.out,
             {
@@ -255,7 +264,7 @@ def cmd_needles(args: argparse.Namespace) -> int:
 
     if args.scores is not None and not args.scores.is_file():
         raise RidgefillError(f"eval cache not found: {args.scores}")
-    tasks, lm, _, specs, essay = _ruler_setup(args, [args.length], NIAH_TASKS, "not needle task(s):")
+    tasks, lm, specs, essay = _ruler_setup(args, [args.length], NIAH_TASKS, "not needle task(s):")
     if not specs:
         raise RidgefillError("name at least one method that skips rows (exact runs the needle in full)")
     records = needles.needle_records(lm, specs, list(tasks), args.length, args.samples, essay, args.seed, args.scores)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ridgefill.cli.common import floats, ints
+from ridgefill.cli.common import dtype_name, floats, ints, load
 
 
 def _maps_for(lm, splits: list[int], args: argparse.Namespace) -> dict:
@@ -40,14 +40,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     from ridgefill.fit.maps import calib_info
-    from ridgefill.models import load_model
     from ridgefill.results import command_line, write_json
     from ridgefill.tune import report
     from ridgefill.tune.bundle import tuned_path, write_bundle
     from ridgefill.tune.search import TuneConfig, run_search, tuning_set
     from ridgefill.tune.space import Space, grid
 
-    lm = load_model(args.model, dtype=args.dtype)
+    lm = load(args)
     space = Space(
         ints(args.splits),
         ints(args.tails),
@@ -87,7 +86,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     base = {
         "model": lm.name,
-        "dtype": args.dtype,
+        "dtype": dtype_name(lm),
         "config": asdict(cfg),
         "space": asdict(space),
         "maps_calib": {str(s): calib_info(m) for s, m in maps.items()},

@@ -25,9 +25,38 @@ RopeTables = dict[str, tuple[torch.Tensor, torch.Tensor]]
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
+@dataclass(frozen=True)
+class Plan:
+    """Which rows ran which layers in a prefill that skipped work (the FLOP model reads it).
+
+    Attributes:
+        split: layers below it ran every row (the split layer of a fill, the gate layer of a gate).
+        full: (F,) sorted positions that ran every layer.
+        filled: bulk rows whose deep K/V were filled (0 for a gate).
+        fill: identity, ridge, kva, or none (a gate).
+        deep_keys: sorted key positions the deep layers hold; None when they hold every row.
+        lower_pairs: visible query-key pairs per lower full-attention layer under a block-sparse
+            kernel; None when the lower layers ran densely.
+        resume: layers from it up ran every kept row again; None when none did.
+    """
+
+    split: int
+    full: torch.Tensor
+    filled: int
+    fill: str
+    deep_keys: torch.Tensor | None = None
+    lower_pairs: list[int] | None = None
+    resume: int | None = None
+
+
 @dataclass
 class PrefillResult:
-    """What a prefill returns: a stock cache, logits for chosen rows, and its timing."""
+    """What a prefill returns: a stock cache, logits for chosen rows, and its timing.
+
+    `ran_exact` says every layer ran on every row (the method was exact, or it fell back to exact
+    for a prompt too short to skip, with `reason`); otherwise `plan` says what was skipped.
+    `diagnostics` holds optional per-row tensors for analysis (`row_scores`, `score_candidates`).
+    """
 
     cache: DynamicCache
     logits: torch.Tensor  # (R, V) float32, one row per entry of logit_rows
@@ -35,11 +64,21 @@ class PrefillResult:
     num_tokens: int
     seconds: float
     method: str
-    meta: dict = field(default_factory=dict)
+    ran_exact: bool = True
+    plan: Plan | None = None
+    reason: str = ""
+    attn_seconds: float = 0.0  # the part of `seconds` spent in attention
+    settings: dict | None = None  # the method's settings as it ran (resolved defaults included)
+    diagnostics: dict = field(default_factory=dict)
 
     @property
     def tokens_per_s(self) -> float:
         return self.num_tokens / self.seconds if self.seconds > 0 else float("inf")
+
+    def as_exact(self, method: str, settings: dict | None, reason: str) -> PrefillResult:
+        """This exact result, labelled as a method that fell back to exact."""
+        self.method, self.settings, self.reason = method, settings, reason
+        return self
 
 
 @dataclass
@@ -69,6 +108,7 @@ class Engine:
         self.lm = lm
         self.parts = lm.parts
         self.dtype = lm.dtype
+        self.device = lm.device
         # Seconds spent inside attention calls since this engine was made; methods report the
         # difference across one prefill, so the bench can show attention-only time.
         self.attn_seconds = 0.0
@@ -90,7 +130,7 @@ class Engine:
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(1, N) -> (1, N, d); Gemma's embedding module applies its own scale."""
-        return self.parts.embed(input_ids).to(self.dtype)
+        return self.parts.embed(input_ids.to(self.device)).to(self.dtype)
 
     def rope(self, n: int, like: torch.Tensor) -> RopeTables:
         """cos/sin for positions 0..n-1, per layer type, each (1, n, head_dim)."""
@@ -203,7 +243,7 @@ class Engine:
 
         Returns (logits (R, V), rows (R,)).
         """
-        rows = pos[-1:].clone() if rows is None else rows
+        rows = pos[-1:].clone() if rows is None else rows.to(pos.device)
         idx = torch.searchsorted(pos, rows)
         if (idx >= len(pos)).any() or not torch.equal(pos[idx.clamp(max=len(pos) - 1)], rows):
             raise RidgefillError(f"logits were asked for rows that {what}")
@@ -234,7 +274,7 @@ class Engine:
         else:
             h = self.embed(input_ids)  # (1, N, d)
             kv, tables, begin, before, attn_before = [], self.rope(n, h), 0, 0.0, 0.0
-        pos = torch.arange(n)
+        pos = torch.arange(n, device=self.device)
         for i in range(begin, upto):
             h, k, v, _ = self.layer(i, h, pos, tables, attention=attention)
             kv.append((k, v))
@@ -270,13 +310,13 @@ class Engine:
             cache: an empty stock cache to fill (default: a new one).
         """
         n = self.check_prompt(input_ids)
-        rows = torch.tensor([n - 1]) if logit_rows is None else logit_rows
+        rows = torch.tensor([n - 1], device=self.device) if logit_rows is None else logit_rows.to(self.device)
         st = self.run_lower(input_ids, self.parts.num_layers, start=lower)
         t0 = time.perf_counter()
         cache = self.cache_from(st.kv, into=cache)
         logits = self.logits(st.h[0, rows])
-        meta = {"attn_s": st.attn_seconds}
-        return PrefillResult(cache, logits, rows, n, st.seconds + time.perf_counter() - t0, "exact", meta)
+        seconds = st.seconds + time.perf_counter() - t0
+        return PrefillResult(cache, logits, rows, n, seconds, "exact", attn_seconds=st.attn_seconds)
 
 
 def merge_by_position(

@@ -10,14 +10,17 @@ for files older than the pooled row, from their per-sample cache, checked agains
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+import shlex
+from dataclasses import asdict, fields
 from pathlib import Path
 
 from ridgefill.errors import RidgefillError
 from ridgefill.eval.report import speed_cell
 from ridgefill.eval.runner import read_records, summarise
-from ridgefill.methods import parse_method, settings_for
-from ridgefill.methods.fill import ADDED_LATER
+from ridgefill.methods import FillSettings, get_method, parse_method
+
+# A fill field a results file predates is read at its default (which is what those runs computed).
+FILL_DEFAULTS = {f.name: f.default for f in fields(FillSettings)}
 
 KNOBS = ("split", "tail", "sink", "query_rows", "query_window", "query_sentence", "drop", "sparse_keep", "resume")
 
@@ -30,12 +33,16 @@ def label_settings(label: str, settings: dict) -> dict:
         name, over = parse_method(label)
     except RidgefillError as e:
         raise RidgefillError(f"cannot read method label {label!r}: {e}") from None
-    s = settings_for(name, **{**values, **over})
-    return {"method": name, **({} if s is None else asdict(s))}
+    info = get_method(name)
+    if info.settings is None:
+        return {"method": name}
+    known = {f.name for f in fields(info.settings)}
+    s = info.settings(**{k: v for k, v in {**info.defaults, **values, **over}.items() if k in known})
+    return {"method": name, **asdict(s)}
 
 
 def direction(s: dict) -> str:
-    """Which of issue 5's directions a configuration tests, from its settings."""
+    """Which retrieval direction a configuration tests, from its settings."""
     parts = []
     if s.get("query_rows"):
         parts.append("query-aware rows")
@@ -55,10 +62,23 @@ def direction(s: dict) -> str:
     return " + ".join(parts) if parts else base
 
 
+def _cache_of(doc: dict, path: Path) -> Path:
+    """The per-sample cache a results file was computed with: its command's `--cache` (relative to
+    the working folder, else to the repository that holds `results/`), else the file beside it."""
+    words = shlex.split(doc.get("command", ""))
+    named = next((Path(b) for a, b in zip(words, words[1:], strict=False) if a == "--cache"), None)
+    if named is None:
+        return path.with_suffix(".samples.jsonl")
+    if named.is_absolute() or named.is_file():
+        return named
+    root = next((p.parent for p in path.resolve().parents if p.name == "results"), None)
+    return root / named if root is not None else named
+
+
 def _pooled_from_cache(doc: dict, path: Path) -> list[dict]:
     """`niah_pooled` for a results file written before it existed, from its per-sample cache,
     after checking that the cache reproduces the file's per-task scores."""
-    cache = path.with_suffix(".samples.jsonl")
+    cache = _cache_of(doc, path)
     if not cache.is_file():
         raise RidgefillError(f"{path} has no pooled needle row and its cache {cache} is missing")
     wanted = {(r["method"], r["task"], r["length"]): r["samples"] for r in doc["results"]}
@@ -115,7 +135,7 @@ def rows(path: str | Path) -> list[dict]:
                 "method": r["method"],
                 "fill": s["method"],
                 "direction": direction(s),
-                **{k: s.get(k, ADDED_LATER.get(k) if "query_rows" in s else None) for k in KNOBS},
+                **{k: s.get(k, FILL_DEFAULTS.get(k) if "query_rows" in s else None) for k in KNOBS},
                 "calibration": _calibration(s.get("maps_calib")),
                 "length": r["length"],
                 "tasks": r["tasks"],
@@ -136,11 +156,11 @@ def rows(path: str | Path) -> list[dict]:
 
 
 def _compute_settings(settings: dict) -> dict:
-    """What a configuration computes: its method and settings, with fields recorded before they
-    existed at their old meaning; the maps' calibration is left out (it changes no cost)."""
+    """What a configuration computes: its method and settings, with fields a file predates at
+    their defaults; the maps' calibration is left out (it changes no cost)."""
     out = {k: v for k, v in settings.items() if k not in ("maps_calib", "maps_split")}
     if "query_rows" in out:  # a fill configuration
-        out = {**ADDED_LATER, **out}
+        out = {**FILL_DEFAULTS, **out}
     return out
 
 

@@ -1,6 +1,6 @@
 """Our engine behind the evaluation's `api.Adapter` interface.
 
-What it is: a loaded model and its labelled prefill methods (`MethodSpec`, "exact" first). Prompts
+What it is: a loaded model and its labelled prefill methods (`Prefill`, "exact" first). Prompts
 go through the model's chat template with the answer prefix inside the assistant turn (RULER's
 layout); every method answers greedily; the layers all methods of a prompt run in full are computed
 once and shared (each method's TTFT still counts them). Also `prepare`, RULER prompts as token ids
@@ -16,14 +16,14 @@ from dataclasses import asdict, dataclass, is_dataclass
 
 import torch
 
-from ridgefill.engine import Engine
+from ridgefill.engine import Engine, PrefillResult
 from ridgefill.errors import RidgefillError
 from ridgefill.eval.api import Generation, Prompt, Sample
-from ridgefill.eval.ppl import MethodSpec, shared_lower
+from ridgefill.eval.ppl import shared_lower
 from ridgefill.eval.ruler import RulerTask
 from ridgefill.fit.maps import calib_info, fingerprint
 from ridgefill.generation import encode_prompt, generate_batch, prompt_text
-from ridgefill.methods.fill import ADDED_LATER
+from ridgefill.methods import Prefill
 from ridgefill.models.loading import LoadedModel
 
 DECODE = (
@@ -32,10 +32,14 @@ DECODE = (
 )
 
 
-def spec_settings(spec: MethodSpec) -> dict:
+# Version of what a cached record's key holds; records under another version are recomputed.
+CACHE_SCHEMA = 2
+
+
+def spec_settings(spec: Prefill) -> dict:
     """A method's full settings as written in results files: its name, every settings field, and
     the split and calibration (tokens, facts per segment, corpus) of the maps it reads."""
-    settings, maps = spec.kwargs.get("settings"), spec.kwargs.get("maps")
+    settings, maps = spec.settings, spec.maps
     out = {"method": spec.method, **(asdict(settings) if is_dataclass(settings) else {})}
     if maps is not None:
         out["maps_split"] = maps.split
@@ -43,25 +47,17 @@ def spec_settings(spec: MethodSpec) -> dict:
     return out
 
 
-def _key_settings(settings) -> dict | None:
-    """Settings as a cache key holds them: fields added later are left out at the value older
-    records mean, so those records stay valid (any other value is part of the key as usual)."""
-    if not is_dataclass(settings):
-        return settings
-    return {k: v for k, v in asdict(settings).items() if not (k in ADDED_LATER and v == ADDED_LATER[k])}
-
-
-def config_key(lm: LoadedModel, spec: MethodSpec) -> str:
+def config_key(lm: LoadedModel, spec: Prefill) -> str:
     """What a cached record was computed with: model weights, dtype, method, its settings and the
     header of the maps it read. A cache entry is reused only under the same key, so re-running with
     another split, tail, dtype or refitted maps recomputes instead of reusing stale records."""
-    kw = spec.kwargs
-    settings, maps = kw.get("settings"), kw.get("maps")
+    settings, maps = spec.settings, spec.maps
     what = {
+        "schema": CACHE_SCHEMA,
         "model": fingerprint(lm)["weights_sha256"],
         "dtype": str(lm.dtype),
         "method": spec.method,
-        "settings": _key_settings(settings),
+        "settings": asdict(settings) if settings is not None else None,
         "maps": None if maps is None else {"method": maps.method, "split": maps.split, "header": maps.header},
     }
     return hashlib.sha1(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:12]
@@ -79,25 +75,25 @@ def needle_span(lm: LoadedModel, sample: Sample) -> tuple[int, int] | None:
     return inside[0], inside[-1] + 1
 
 
-def needle_rows(meta: dict, span: tuple[int, int] | None) -> dict:
+def needle_rows(res: PrefillResult, span: tuple[int, int] | None) -> dict:
     """Did a skipping method run the needle's rows fully, and how did its row score rank the needle?
 
     `needle_full`: the fraction of the needle's tokens that ran every layer (fill: full rows;
     tokengate: kept rows); absent when the method ran every row (exact, or a prompt too short to
     skip). `needle_rank`: 1 + the candidate rows the query score (fill: at the split layer;
     tokengate: at the gate layer) put above the needle's best token; absent without that score.
-    Issue 5's "is the needle scored?", on every eval record.
     """
-    full = meta.get("full_positions")
-    if span is None or full is None or meta.get("ran_exact"):
+    if span is None or res.ran_exact or res.plan is None:
         return {}
+    full = res.plan.full.cpu()
     lo, hi = span
     ran = torch.zeros(hi - lo, dtype=torch.bool)
     inside = full[(full >= lo) & (full < hi)] - lo
     ran[inside] = True
     out = {"needle_full": round(float(ran.float().mean()), 3)}
-    scores, cand = meta.get("row_scores"), meta.get("score_candidates")
+    scores, cand = res.diagnostics.get("row_scores"), res.diagnostics.get("score_candidates")
     if scores is not None:
+        scores, cand = scores.cpu(), cand.cpu()
         best = scores[lo:hi].max()
         out["needle_rank"] = int((scores.masked_fill(~cand, float("-inf")) > best).sum()) + 1
     return out
@@ -114,7 +110,7 @@ def prompt_key(ids: torch.Tensor) -> str:
 class EngineAdapter:
     """`api.Adapter` for a loaded model and its methods."""
 
-    def __init__(self, lm: LoadedModel, specs: Sequence[MethodSpec]):
+    def __init__(self, lm: LoadedModel, specs: Sequence[Prefill]):
         if not specs or specs[0].label != "exact":
             raise RidgefillError("the first method must be exact: every score is paired against it")
         labels = [s.label for s in specs]
@@ -148,15 +144,14 @@ class EngineAdapter:
         # The layers every method runs in full are run once per prompt and shared.
         lower = shared_lower(Engine(self.lm), ids, todo) if len(todo) > 1 else None
         shared_s = lower.seconds if lower else 0.0
-        runs = [(s.method, {"lower": lower, **s.kwargs}) for s in todo]
         out = {}
-        for spec, res in zip(todo, generate_batch(self.lm, ids, runs, max_new_tokens), strict=True):
+        for spec, res in zip(todo, generate_batch(self.lm, ids, todo, max_new_tokens, lower), strict=True):
             out[spec.label] = Generation(
                 res.text,
                 ttft_s=round(res.ttft_s + shared_s, 4),
                 run_s=round(res.ttft_s + res.decode_s + shared_s / len(todo), 4),
                 decode_batch=res.decode_batch,
-                info=needle_rows(res.prefill.meta, span),
+                info=needle_rows(res.prefill, span),
             )
         return out
 

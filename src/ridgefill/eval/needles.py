@@ -16,9 +16,9 @@ from tqdm.auto import tqdm
 
 from ridgefill.engine import Engine
 from ridgefill.eval.adapter import config_key, needle_rows, prepare, prompt_key
-from ridgefill.eval.ppl import MethodSpec, shared_lower
+from ridgefill.eval.ppl import shared_lower
 from ridgefill.eval.runner import breakdown_case, needle_breakdown, read_records
-from ridgefill.methods import run_prefill
+from ridgefill.methods import Prefill
 from ridgefill.models.loading import LoadedModel
 
 
@@ -28,7 +28,7 @@ def _scored(path: Path | None) -> dict[tuple, dict]:
 
 def needle_records(
     lm: LoadedModel,
-    specs: list[MethodSpec],
+    specs: list[Prefill],
     tasks: list[str],
     length: int,
     samples: int,
@@ -40,7 +40,7 @@ def needle_records(
     cache, `score` (None when the cache holds no record of that prompt and configuration). Exact's
     cached scores come as records of method "exact"."""
     engine, cached = Engine(lm), _scored(scores)
-    configs = {s.label: config_key(lm, s) for s in [MethodSpec("exact", "exact", {}), *specs]}
+    configs = {s.label: config_key(lm, s) for s in [Prefill("exact", "exact"), *specs]}
     out = []
     bar = tqdm(total=len(tasks) * samples, desc=f"needles {lm.name}", unit="prompt")
     for task in tasks:
@@ -53,9 +53,9 @@ def needle_records(
             span = (p.needle_pos, p.needle_end)
             lower = shared_lower(engine, p.input_ids, specs)
             for s in specs:
-                res = run_prefill(engine, p.input_ids, s.method, lower=lower, **s.kwargs)
+                res = s.run(engine, p.input_ids, lower=lower)
                 hit = cached.get((key, s.label, configs[s.label]))
-                rec = {**base, "method": s.label, **needle_rows(res.meta, span)}
+                rec = {**base, "method": s.label, **needle_rows(res, span)}
                 out.append({**rec, "score": None if hit is None else hit["score"]})
             bar.update()
     bar.close()

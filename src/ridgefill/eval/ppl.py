@@ -8,35 +8,16 @@ with exact's on the same documents. What it is not: RULER retrieval (see the eva
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ridgefill.engine import Engine, LowerState, PrefillResult
-from ridgefill.methods import run_prefill
+from ridgefill.methods import Prefill
 
 
-@dataclass(frozen=True)
-class MethodSpec:
-    """A labelled way to prefill: a method name and its keyword arguments."""
-
-    label: str
-    method: str
-    kwargs: dict
-
-    @property
-    def runs_fully_below(self) -> int | None:
-        """Layers every row runs densely before this method departs from exact (None: all of them)."""
-        maps, settings = self.kwargs.get("maps"), self.kwargs.get("settings")
-        if settings is None:
-            return None
-        below = settings.dense_below
-        return maps.split if maps is not None and below else below
-
-
-def shared_lower(engine: Engine, ids: torch.Tensor, specs: list[MethodSpec]) -> LowerState | None:
+def shared_lower(engine: Engine, ids: torch.Tensor, specs: list[Prefill]) -> LowerState | None:
     """The layers every spec runs in full on this prompt, run once (None when only exact is there)."""
     splits = [s.runs_fully_below for s in specs if s.runs_fully_below]
     return engine.run_lower(ids, min(splits)) if splits else None
@@ -58,14 +39,14 @@ def increase_pct(nll: float, exact_nll: float) -> float:
 
 
 @torch.inference_mode()
-def tail_nll(engine: Engine, ids: list[int], spec: MethodSpec, tail: int, lower: LowerState | None = None) -> float:
+def tail_nll(engine: Engine, ids: list[int], spec: Prefill, tail: int, lower: LowerState | None = None) -> float:
     """Mean NLL (nats) of the last `tail - 1` tokens of `ids`, predicted from the tail rows."""
     x = torch.tensor([ids])
-    res = run_prefill(engine, x, spec.method, logit_rows=tail_rows(x.shape[1], tail), lower=lower, **spec.kwargs)
+    res = spec.run(engine, x, logit_rows=tail_rows(x.shape[1], tail), lower=lower)
     return scored_nll(res, x)
 
 
-def tail_ppl(engine: Engine, docs: list[list[int]], specs: list[MethodSpec], tail: int) -> list[dict]:
+def tail_ppl(engine: Engine, docs: list[list[int]], specs: list[Prefill], tail: int) -> list[dict]:
     """Every method on every document; returns one row per method with NLL, PPL and delta vs exact."""
     nll = {s.label: [] for s in specs}
     for ids in tqdm(docs, desc="tail perplexity: documents", unit="doc"):

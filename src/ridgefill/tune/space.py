@@ -1,8 +1,8 @@
 """The tuner's search space: ridge fill configurations over split, tail and the retrieval knobs.
 
 What it is: `Candidate` (a fill method and its `FillSettings`, with a stable label) and `grid`,
-which crosses splits, tails, query-aware full rows and drop fractions (issue 5's winning
-mechanisms) into a list of candidates. What it is not: the search loop (tune/search.py).
+which crosses splits, tails, query-aware full rows and drop fractions into a list of
+candidates. What it is not: the search loop (tune/search.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,87 @@
+"""The method table: each prefill method's function, settings class, defaults and maps.
+
+What it is: data, looked up by name. What it is not: resolution (methods/resolve.py), which
+checks settings and loads maps before anything runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ridgefill.engine import Engine, PrefillResult
+from ridgefill.errors import RidgefillError
+from ridgefill.methods.fill import FILL_METHODS, FillSettings, prefill_fill
+from ridgefill.methods.gate import GateSettings, prefill_tokengate
+
+
+@dataclass(frozen=True)
+class MethodInfo:
+    """One prefill method.
+
+    Attributes:
+        run: (engine, input_ids, settings, maps, *, logit_rows, lower, cache) -> PrefillResult.
+        settings: its settings class (None: it takes no settings).
+        defaults: settings values that make it this method (gated-ridge is ridge with these).
+        maps: the kind of fitted maps it reads (None: none).
+        about: one line for `--help` and errors.
+    """
+
+    run: Callable[..., PrefillResult]
+    settings: type | None = None
+    defaults: dict[str, Any] = field(default_factory=dict)
+    maps: str | None = None
+    about: str = ""
+
+
+def _exact(engine: Engine, input_ids: torch.Tensor, settings: None, maps: None, **rows: Any) -> PrefillResult:
+    return engine.prefill_exact(input_ids, rows.get("logit_rows"), rows.get("lower"), rows.get("cache"))
+
+
+def _fill(method: str, label: str) -> Callable[..., PrefillResult]:
+    def run(engine: Engine, input_ids: torch.Tensor, settings: FillSettings, maps, **rows: Any) -> PrefillResult:
+        res = prefill_fill(engine, input_ids, method=method, maps=maps, settings=settings, **rows)
+        res.method = label
+        return res
+
+    run.__name__ = f"prefill_{label.replace('-', '_')}"
+    return run
+
+
+def _gate(engine: Engine, input_ids: torch.Tensor, settings: GateSettings, maps: None, **rows: Any) -> PrefillResult:
+    return prefill_tokengate(engine, input_ids, settings, **rows)
+
+
+_ABOUT = {
+    "identity": "deep layers read the split state as their input",
+    "ridge": "RidgeFill: a fitted map predicts every deep layer's input",
+    "kva": "fitted maps predict every deep layer's K and V",
+}
+
+METHODS: dict[str, MethodInfo] = {
+    "exact": MethodInfo(_exact, about="every layer on every row"),
+    **{
+        m: MethodInfo(_fill(m, m), FillSettings, maps=None if m == "identity" else m, about=_ABOUT[m])
+        for m in FILL_METHODS
+    },
+    "tokengate": MethodInfo(_gate, GateSettings, about="rows the gate drops stop at the gate layer"),
+    "gated-ridge": MethodInfo(
+        _fill("ridge", "gated-ridge"),
+        FillSettings,
+        {"query_rows": 256, "drop": 0.5},
+        "ridge",
+        "question-chosen rows run fully, the middle is ridge-filled, the rest dropped",
+    ),
+}
+
+
+def get_method(name: str) -> MethodInfo:
+    try:
+        return METHODS[name]
+    except KeyError:
+        raise RidgefillError(
+            f"unknown prefill method {name!r}; choose one of {', '.join([*METHODS, 'tuned'])}"
+        ) from None

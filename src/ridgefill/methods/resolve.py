@@ -1,0 +1,365 @@
+"""One way to name a prefill: (model, method, settings, maps) -> a ready `Prefill`.
+
+What it is: `resolve_prefill`, used by the CLI, the Python API, the server, `patch`, the lm-eval
+adapter, eval, bench and the tuner. It picks the default method (`tuned` where the model has a
+tuned configuration, else exact), reads `tuned` from a bundle `ridgefill tune` wrote or from the
+configuration shipped for an embedded model, checks every setting by name and type against the
+method's settings class (an unknown or ill-typed one is an error that lists the valid ones),
+resolves the split, and loads the maps the method reads, fitting them on first use when none are
+cached. What it is not: the methods themselves (methods/fill.py, methods/gate.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from dataclasses import asdict, dataclass, fields, is_dataclass, replace
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from ridgefill.engine import Engine, LowerState, PrefillResult
+from ridgefill.errors import MapError, RidgefillError
+from ridgefill.fit.maps import FillMaps, default_maps_dir, load_maps, maps_filename
+from ridgefill.methods.fill import FillSettings
+from ridgefill.methods.gate import GateSettings
+from ridgefill.methods.registry import METHODS, get_method
+from ridgefill.models.loading import LoadedModel
+
+log = logging.getLogger(__name__)
+
+TUNED = "tuned"
+Settings = FillSettings | GateSettings
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """A resolved prefill: the method that runs, its checked settings and its maps.
+
+    Attributes:
+        label: what it was asked as (`tuned`, `ridge:query_rows=256`, `exact`).
+        method: the registry method that runs (`tuned` resolves to one).
+        settings: the method's settings with every default resolved; None for exact.
+        maps: the fitted maps it reads, or None.
+    """
+
+    label: str
+    method: str
+    settings: Settings | None = None
+    maps: FillMaps | None = None
+
+    def run(
+        self,
+        engine: Engine,
+        input_ids: torch.Tensor,
+        *,
+        logit_rows: torch.Tensor | None = None,
+        lower: LowerState | None = None,
+        cache: DynamicCache | None = None,
+    ) -> PrefillResult:
+        """Prefill a (1, N) prompt. `logit_rows`: positions whose logits to return (default the
+        last); `lower`: layers already run on this prompt; `cache`: an empty stock cache to fill."""
+        info = get_method(self.method)
+        return info.run(engine, input_ids, self.settings, self.maps, logit_rows=logit_rows, lower=lower, cache=cache)
+
+    @property
+    def split(self) -> int | None:
+        """The layer where this prefill departs from exact (None for exact)."""
+        if isinstance(self.settings, GateSettings):
+            return self.settings.gate_layer
+        return None if self.settings is None else self.settings.split
+
+    @property
+    def runs_fully_below(self) -> int | None:
+        """Layers every row runs densely before this method departs from exact (None: all of them)."""
+        return None if self.settings is None else self.settings.dense_below
+
+    def describe(self) -> str:
+        """One line: the method and the settings that matter, e.g. `ridge split 18, tail 512`."""
+        s = self.settings
+        if s is None:
+            return self.method
+        if isinstance(s, GateSettings):
+            return f"{self.method} gate layer {s.gate_layer}, keep {s.keep:g}, tail {s.tail}"
+        extra = (f", {s.query_rows} query rows" if s.query_rows else "") + (f", drop {s.drop:g}" if s.drop else "")
+        return f"{self.method} split {s.split}, tail {s.tail}{extra}"
+
+
+# ----- settings: names and types -----
+
+
+def _field_types(cls: type) -> dict[str, str]:
+    return {f.name: str(f.type) for f in fields(cls)}
+
+
+def _fits(value: Any, type_name: str) -> bool:
+    if value is None:
+        return "None" in type_name
+    if isinstance(value, bool):
+        return False
+    if "float" in type_name:
+        return isinstance(value, (int, float))
+    return isinstance(value, int)
+
+
+def check_values(method: str, cls: type | None, values: dict[str, Any]) -> None:
+    """Refuse settings that `method`'s settings class lacks or that have the wrong type."""
+    if cls is None:
+        if values:
+            raise RidgefillError(f"method {method!r} takes no settings; got {', '.join(sorted(values))}")
+        return
+    types = _field_types(cls)
+    for key, value in values.items():
+        if key not in types:
+            raise RidgefillError(f"unknown setting {key!r} for method {method!r}; valid settings: {', '.join(types)}")
+        if not _fits(value, types[key]):
+            raise RidgefillError(f"setting {key!r} of method {method!r} must be {types[key]}, got {value!r}")
+
+
+def _typed(method: str, cls: type | None, key: str, text: str) -> Any:
+    types = _field_types(cls) if cls is not None else {}
+    if key not in types:
+        valid = ", ".join(types) or "(none)"
+        raise RidgefillError(f"unknown setting {key!r} for method {method!r}; valid settings: {valid}")
+    if text.lower() == "none":
+        return None
+    try:
+        return float(text) if "float" in types[key] else int(text)
+    except ValueError:
+        raise RidgefillError(f"setting {key!r} of method {method!r} must be {types[key]}, got {text!r}") from None
+
+
+def parse_method(spec: str) -> tuple[str, dict[str, Any]]:
+    """`name[:key=value...]` -> (method name, settings), each value typed by its settings field
+    (`none` -> None); unknown methods, keys and bad values are refused. `tuned` takes fill settings."""
+    name, *opts = spec.split(":")
+    cls = FillSettings if name == TUNED else get_method(name).settings
+    over: dict[str, Any] = {}
+    for opt in opts:
+        key, eq, value = opt.partition("=")
+        if not eq:
+            raise RidgefillError(f"bad method option {opt!r} in {spec!r}; use key=value")
+        over[key] = _typed(name, cls, key, value)
+    return name, over
+
+
+# ----- tuned configurations -----
+
+
+def tuned_path(lm: LoadedModel, folder: Path | None = None) -> Path:
+    """Where `ridgefill tune` writes a model's bundle by default: next to its fitted maps."""
+    return (Path(folder) if folder is not None else default_maps_dir(lm)) / f"{lm.name}.tuned.safetensors"
+
+
+@functools.cache
+def shipped_defaults() -> dict:
+    """Per embedded model, the configuration `ridgefill tune` chose, with its measured figures."""
+    return json.loads(resources.files("ridgefill").joinpath("data/tuned.json").read_text())["models"]
+
+
+def has_tuned(lm: LoadedModel, maps: Path | str | None = None) -> bool:
+    """Whether `tuned` resolves for this model: a bundle in the map folder, or a shipped default."""
+    where = Path(maps) if maps is not None else None
+    if where is not None and where.is_file():
+        return True
+    return tuned_path(lm, where).is_file() or lm.name in shipped_defaults()
+
+
+def default_method(lm: LoadedModel, maps: Path | str | None = None) -> str:
+    """`tuned` where the model has a tuned configuration, else `exact` (logged with how to tune)."""
+    if has_tuned(lm, maps):
+        return TUNED
+    log.warning("no tuned configuration for %s; prefilling exactly (`ridgefill tune --model ...` makes one)", lm.name)
+    return "exact"
+
+
+def _tuned(lm: LoadedModel, maps: FillMaps | Path | str | None) -> tuple[str, dict, FillMaps | Path | None]:
+    """(method, settings, maps or map folder) of `tuned`: a bundle file, the bundle in a folder
+    (default the model's cache folder), else the shipped default with maps from that folder."""
+    if isinstance(maps, FillMaps):
+        return _from_bundle(maps, "the given maps")
+    where = Path(maps) if maps is not None else None
+    if where is not None and not where.is_dir():
+        if not where.is_file():
+            raise MapError(f"no tuned bundle at {where}; run `ridgefill tune --model {lm.name}` first")
+        return _from_bundle(load_maps(where, lm), str(where))
+    bundle = tuned_path(lm, where)
+    if bundle.is_file():
+        return _from_bundle(load_maps(bundle, lm), str(bundle))
+    entry = shipped_defaults().get(lm.name)
+    if entry is None:
+        raise MapError(f"no tuned bundle at {bundle} and no shipped configuration for {lm.name}; run `ridgefill tune`")
+    return entry["method"], dict(entry["settings"]), where
+
+
+def _from_bundle(maps: FillMaps, where: str) -> tuple[str, dict, FillMaps]:
+    tuned = maps.header.get(TUNED)
+    if not isinstance(tuned, dict) or not isinstance(tuned.get("settings"), dict) or "method" not in tuned:
+        raise MapError(f"{where} is a map file without a tuned configuration; pass the bundle `ridgefill tune` wrote")
+    return tuned["method"], dict(tuned["settings"]), maps
+
+
+# ----- maps -----
+
+
+def _maps_for(
+    lm: LoadedModel, kind: str, split: int, maps: FillMaps | Path | str | None, fit_missing: bool, corpus: str | None
+) -> FillMaps:
+    """The `kind` maps (ridge or kva): given, a map file, or from a folder (default: the model's
+    cache folder, keyed by its weights and so by dtype), fitted there on first use."""
+    if isinstance(maps, FillMaps):
+        found = maps
+    elif maps is not None and Path(maps).is_file():
+        found = load_maps(maps, lm)
+    else:
+        folder = Path(maps) if maps is not None else default_maps_dir(lm)
+        path = folder / maps_filename(lm.name, kind, split)
+        if not path.is_file():
+            if not fit_missing:
+                raise MapError(
+                    f"no {kind} maps for split {split} in {folder}; "
+                    f"run `ridgefill fit --model {lm.name} --splits {split}` first"
+                )
+            fit_first_use(lm, kind, split, folder, corpus)
+        found = load_maps(path, lm)
+    if found.method != kind:
+        raise MapError(f"these maps are for {found.method!r}; this method reads {kind!r} maps")
+    found.check_model(lm)
+    return found
+
+
+def fit_first_use(lm: LoadedModel, kind: str, split: int, folder: Path, corpus: str | None = None) -> None:
+    """Fit `kind` maps at `split` into `folder` (progress bar on stderr), as `ridgefill fit` would."""
+    from ridgefill.fit.ridge import FitConfig, fit_from_corpus
+
+    log.warning("fitting %s maps for %s at split %d once (cached in %s) ...", kind, lm.name, split, folder)
+    fit_from_corpus(lm, FitConfig(splits=(split,), methods=(kind,)), corpus=corpus, out_dir=folder)
+
+
+def applicable(spec: str, values: dict[str, Any]) -> dict[str, Any]:
+    """Of settings meant for several methods at once (a command's `--tail`, a server's options),
+    those that `spec`'s settings class has and that are given; none for `tuned`, which keeps its
+    tuned settings unless its spec names them (`tuned:tail=1024`)."""
+    name = spec.split(":")[0]
+    if name == TUNED:
+        return {}
+    cls = get_method(name).settings
+    have = set(_field_types(cls)) if cls is not None else set()
+    return {k: v for k, v in values.items() if v is not None and k in have}
+
+
+# ----- the resolver -----
+
+
+def _as_values(settings: Settings | dict | None) -> dict[str, Any]:
+    if settings is None:
+        return {}
+    if is_dataclass(settings):
+        return asdict(settings)
+    if isinstance(settings, dict):
+        return dict(settings)
+    raise RidgefillError(f"settings must be a settings object or a dict, not {type(settings).__name__}")
+
+
+def resolve_prefill(
+    lm: LoadedModel,
+    method: str | None = None,
+    *,
+    settings: Settings | dict | None = None,
+    maps: FillMaps | Path | str | None = None,
+    fit_missing: bool = True,
+    corpus: str | None = None,
+    **overrides: Any,
+) -> Prefill:
+    """Turn a method name and its settings into a ready `Prefill` for `lm`.
+
+    Args:
+        method: a method name, optionally with settings (`ridge:query_rows=256:tail=512`), or
+            `tuned`; None picks `default_method`.
+        settings: a settings object or dict; `overrides` (keyword settings such as `split=12`)
+            and the name's own `key=value` settings win over it, in that order.
+        maps: fitted maps, a map file (its split wins), a tuned bundle, or a folder (default: the
+            model's cache folder).
+        fit_missing: fit missing maps into the folder on first use (else refuse).
+        corpus: calibration text for a first-use fit (default: the Python 3.11 docs).
+    Raises:
+        RidgefillError: an unknown method or setting, a value of the wrong type or out of range,
+            maps that are missing, corrupt or for another model.
+    """
+    label = method if method is not None else default_method(lm, None if isinstance(maps, FillMaps) else maps)
+    name, from_name = parse_method(label)
+    values = {**_as_values(settings), **overrides, **from_name}
+    if name == TUNED:
+        name, tuned_values, maps = _tuned(lm, maps)
+        values = {**tuned_values, **values}
+    info = get_method(name)
+    check_values(name, info.settings, values)
+    if info.settings is None:
+        return Prefill(label, name)
+    resolved = info.settings(**{**info.defaults, **values})
+    resolved.check(lm.num_layers)
+    if isinstance(resolved, GateSettings):
+        return Prefill(label, name, replace(resolved, gate_layer=resolved.layer(lm.num_layers)))
+    resolved = resolved.at(lm.num_layers)
+    if info.maps is None:
+        return Prefill(label, name, resolved)
+    found = _maps_for(lm, info.maps, resolved.split, maps, fit_missing, corpus)
+    if found.split != resolved.split:
+        if "split" in values:
+            raise MapError(
+                f"the {info.maps} maps given are for split {found.split}, not the split {resolved.split} asked"
+            )
+        resolved = replace(resolved, split=found.split)
+        resolved.check(lm.num_layers)
+    return Prefill(label, name, resolved, found)
+
+
+def run_prefill(
+    engine: Engine,
+    input_ids: torch.Tensor,
+    method: str = "exact",
+    *,
+    settings: Settings | None = None,
+    maps: FillMaps | None = None,
+    logit_rows: torch.Tensor | None = None,
+    lower: LowerState | None = None,
+    cache: DynamicCache | None = None,
+) -> PrefillResult:
+    """Run a registry method with settings and maps already in hand (no files are read): the
+    low-level path for code that resolved them itself. `settings` must be the method's class."""
+    info = get_method(method)
+    if info.settings is None:
+        if settings is not None or maps is not None:
+            raise RidgefillError(f"method {method!r} takes no settings or maps")
+    else:
+        settings = info.settings(**info.defaults) if settings is None else settings
+        if not isinstance(settings, info.settings):
+            raise RidgefillError(f"method {method!r} takes {info.settings.__name__}, not {type(settings).__name__}")
+        if isinstance(settings, GateSettings) and settings.gate_layer is None:
+            settings = replace(settings, gate_layer=settings.layer(engine.parts.num_layers))
+    if info.maps is None and maps is not None:
+        raise RidgefillError(f"method {method!r} reads no maps")
+    return Prefill(method, method, settings, maps).run(
+        engine, input_ids, logit_rows=logit_rows, lower=lower, cache=cache
+    )
+
+
+__all__ = [
+    "METHODS",
+    "TUNED",
+    "Prefill",
+    "applicable",
+    "check_values",
+    "default_method",
+    "fit_first_use",
+    "has_tuned",
+    "parse_method",
+    "resolve_prefill",
+    "run_prefill",
+    "shipped_defaults",
+    "tuned_path",
+]

@@ -1,0 +1,71 @@
+"""Where and in what precision a model computes: the `auto` choices, made in one place.
+
+What it is: `pick_device` (CUDA when present) and `pick_dtype`: bf16 on CUDA and on CPUs that
+compute bf16 natively (AVX512-BF16 or AMX, read from /proc/cpuinfo), fp32 elsewhere, since bf16
+emulated on an older CPU is slower than fp32. What it is not: a benchmark; results record the CPU
+and its bf16 flag (results.py) so a reader can tell which baseline a ratio used.
+"""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+import torch
+
+from ridgefill.errors import RidgefillError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def cpuinfo_field(key: str, cpuinfo: str | None = None) -> str | None:
+    """The first `key` line's value in `cpuinfo` (default: /proc/cpuinfo); None when absent."""
+    try:
+        text = cpuinfo if cpuinfo is not None else Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith(key)), None)
+
+
+def cpu_model() -> str:
+    return cpuinfo_field("model name") or platform.processor() or platform.machine()
+
+
+def cpu_bf16(cpuinfo: str | None = None) -> bool | None:
+    """Whether the CPU has native bf16 arithmetic (AVX512-BF16 or AMX-BF16; None: cannot tell),
+    from `cpuinfo` (default: /proc/cpuinfo)."""
+    flags = cpuinfo_field("flags", cpuinfo)
+    return None if flags is None else bool(BF16_FLAGS & set(flags.split()))
+
+
+def pick_device(device: str = "auto") -> torch.device:
+    """`auto`: the first CUDA device when one is present, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise RidgefillError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RidgefillError(f"device {device!r} asked for, but torch sees no CUDA device here")
+    if dev.type not in ("cpu", "cuda"):
+        raise RidgefillError(f"device {device!r} is not supported; use auto, cpu, cuda or cuda:N")
+    return dev
+
+
+def pick_dtype(dtype: str, device: torch.device, cpuinfo: str | None = None) -> torch.dtype:
+    """`auto`: bf16 on CUDA (where the GPU supports it) and on CPUs with native bf16, else fp32."""
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_bf16(cpuinfo) else torch.float32
+    if dtype not in DTYPES:
+        raise RidgefillError(f"unknown dtype {dtype!r}; choose auto or one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for `device` to finish its queued work, so a wall-clock time covers it (CUDA is async)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
