@@ -65,6 +65,7 @@ EXAMPLES = {
     "serve": """examples:
   ridgefill serve
   ridgefill serve --model qwen2.5-0.5b --method ridge --split 12 --port 8001
+  RIDGEFILL_API_KEY=s3cret ridgefill serve --host 0.0.0.0 --max-body-bytes 1048576
   curl -s localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
       -d '{"model":"smollm2-135m","messages":[{"role":"user","content":"Hi"}],"prefill":{"method":"exact"}}'""",
     "loadtest": """examples:
@@ -232,9 +233,26 @@ def _parser() -> argparse.ArgumentParser:
         "--method", default=None, help="default prefill method (default: ridge if its maps exist, else exact)"
     )
     fill_args(s)
-    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="bind address; on a loopback one (the default) only requests whose Host header names localhost, "
+        "127.0.0.1 or [::1] are answered (else 421: a DNS-rebinding defence)",
+    )
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--max-queue", type=int, default=32, help="requests that may wait; beyond it, 429")
+    s.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' (else 401) on every path but GET /health and /metrics "
+        "(default: $RIDGEFILL_API_KEY, else no key)",
+    )
+    s.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=8 * 2**20,
+        help="largest request body; beyond it, 413 (default: 8 MiB = 8388608)",
+    )
     s.set_defaults(func=cmd_serve)
 
     t = sub.add_parser(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from ridgefill.errors import RidgefillError
 
@@ -11,7 +12,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from ridgefill.serve import ServeConfig, create_app
+        from ridgefill.serve import Security, ServeConfig, create_app
     except ImportError as e:
         raise RidgefillError(f"serving needs its extra: pip install 'ridgefill[serve]' ({e.name} is missing)") from None
     from ridgefill.cli.common import default_split
@@ -20,6 +21,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port <= 65535:
         raise RidgefillError(f"port {args.port} is outside 0..65535")
+    api_key = args.api_key or os.environ.get("RIDGEFILL_API_KEY") or None
+    security = Security.for_host(args.host, api_key, args.max_body_bytes)
     lm = load_model(args.model, dtype=args.dtype)
     settings = FillSettings(default_split(lm, args.split), args.sink, args.tail, query_rows=args.query_rows)
     cfg = ServeConfig.for_model(lm, args.method, settings, args.maps, args.max_queue)
@@ -28,7 +31,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         f"(prefill methods: {', '.join(sorted(cfg.methods))}; default {cfg.default_method})",
         flush=True,
     )
-    uvicorn.run(create_app(cfg), host=args.host, port=args.port, log_level="warning")
+    if not security.loopback_only and security.api_key is None:
+        print(f"note: {args.host} is not a loopback address and no API key is set: anyone who can reach it may use it")
+    uvicorn.run(create_app(cfg, security), host=args.host, port=args.port, log_level="warning")
     return 0
 
 

@@ -1,18 +1,37 @@
 """The FastAPI app: OpenAI routes over the model worker.
 
-What it is: `create_app(ServeConfig)` -> FastAPI. `POST /v1/completions` and
+What it is: `create_app(ServeConfig, Security)` -> FastAPI. `POST /v1/completions` and
 `POST /v1/chat/completions` (plain or SSE streaming), `GET /v1/models`, `GET /health`,
 `GET /metrics`. The prefill method is chosen per request with `"prefill": {"method": ...}`;
-every `usage` names the method that ran and its TTFT. Bad input gets a 4xx with OpenAI's error
-body; an unexpected failure gets a 500 body and the server keeps serving.
+every `usage` names the method that ran and its TTFT.
+
+A request passes, in order: the Guard (guard.py: Host check on a loopback server -> 421, API key
+-> 401, `Content-Type: application/json` -> 415, body size -> 413); then, on a thread of its own
+so that the event loop and `/health` never wait on it, JSON decoding, validation and tokenising
+(protocol.py, prepare.py: any problem -> 400, an unknown model -> 404); then admission to the
+worker's queue (full -> 429). Every error has OpenAI's body `{"error": {"message", "type",
+"param", "code"}}` and quotes at most a short clipped piece of the input; an unexpected failure
+gets a 500 body, is counted in /metrics, and the server keeps serving. A non-streaming request
+whose client disconnects is cancelled at once: generation stops at the next token and its slot
+is freed. OpenAI parameters we do not implement (`logprobs`, `echo`, `best_of`, `logit_bias`,
+penalties, tools, ...) are refused with a 400 naming them unless they carry their "off" value.
+
+Settings (`Security`, CLI option in brackets): `api_key` [`--api-key`, or the environment
+variable `RIDGEFILL_API_KEY`]: requests need `Authorization: Bearer <key>`, except `GET /health`
+and `GET /metrics`, which stay open for probes and scrapers. `max_body_bytes` [`--max-body-bytes`,
+default 8 MiB]. `loopback_only`: set when the bind address is loopback (the default 127.0.0.1);
+then only Host headers naming localhost, 127.0.0.1 or [::1] are answered (a DNS-rebinding
+defence). The interactive docs (/docs, /openapi.json) are off.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,22 +43,15 @@ from starlette.exceptions import HTTPException
 
 from ridgefill.errors import MapError, RidgefillError
 from ridgefill.fit.maps import MAP_METHODS, load_maps
-from ridgefill.generation import encode_chat, encode_prompt
 from ridgefill.methods import FillSettings, prefill_kwargs, settings_for
 from ridgefill.models.loading import LoadedModel
+from ridgefill.serve.guard import Guard, Security
 from ridgefill.serve.metrics import Metrics
-from ridgefill.serve.protocol import (
-    ApiError,
-    ChatRequest,
-    CompletionRequest,
-    chunk_object,
-    completion_object,
-    new_id,
-    parse,
-)
+from ridgefill.serve.prepare import prepare
+from ridgefill.serve.protocol import ApiError, chunk_object, completion_object, new_id
 from ridgefill.serve.worker import Job, QueueFull, Worker
 
-DEFAULT_MAX_TOKENS = {"completions": 16, "chat": 512}
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -107,25 +119,22 @@ class ServeConfig:
             raise RidgefillError("max_queue must be >= 0")
 
 
-def create_app(cfg: ServeConfig) -> FastAPI:
+def create_app(cfg: ServeConfig, security: Security | None = None) -> FastAPI:
+    """The app serving `cfg`, exposed as `security` says (default: `Security()`, loopback only)."""
     lm = cfg.lm
+    security = security or Security()
     state: dict[str, Any] = {}
+    metrics = Metrics(lambda: state["worker"].waiting, lambda: state["worker"].running)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        metrics = state["metrics"] = Metrics(lambda: state["worker"].waiting, lambda: state["worker"].running)
         worker = state["worker"] = Worker(lm, cfg.max_queue, metrics.first_token, metrics.finished)
+        pool = state["prepare"] = ThreadPoolExecutor(1, thread_name_prefix="ridgefill-prepare")
         yield
         worker.close()
+        pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="ridgefill", lifespan=lifespan)
-
-    @app.middleware("http")
-    async def count(request: Request, call_next):
-        response = await call_next(request)
-        if "metrics" in state:
-            state["metrics"].responses.labels(route=request.url.path, status=str(response.status_code)).inc()
-        return response
+    app = FastAPI(title="ridgefill", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, e: ApiError):
@@ -137,6 +146,7 @@ def create_app(cfg: ServeConfig) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, e: Exception):
+        log.error("request failed", exc_info=e)
         return JSONResponse(ApiError(500, f"internal error: {type(e).__name__}").body(), status_code=500)
 
     @app.get("/health")
@@ -156,8 +166,8 @@ def create_app(cfg: ServeConfig) -> FastAPI:
         return {"object": "list", "data": [{"id": lm.name, "object": "model", "created": 0, "owned_by": "ridgefill"}]}
 
     @app.get("/metrics")
-    async def metrics():
-        return Response(state["metrics"].render(), media_type=Metrics.content_type)
+    async def metrics_text():
+        return Response(metrics.render(), media_type=Metrics.content_type)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -168,64 +178,29 @@ def create_app(cfg: ServeConfig) -> FastAPI:
         return await _serve(request, chat=True)
 
     async def _serve(request: Request, chat: bool):
-        req = parse(ChatRequest if chat else CompletionRequest, await _json(request))
-        if req.model != lm.name:
-            raise ApiError(
-                404,
-                f"model {req.model!r} is not served here; this server serves {lm.name!r}",
-                "model",
-                "model_not_found",
-            )
-        method = req.prefill.method if req.prefill else cfg.default_method
-        if method not in cfg.methods:
-            raise ApiError(
-                400,
-                f"prefill method {method!r} is not available here; choose from {sorted(cfg.methods)}",
-                "prefill.method",
-                "unknown_method",
-            )
-        try:
-            if chat:
-                ids = encode_chat(lm, [m.plain() for m in req.messages])
-            else:
-                ids = encode_prompt(lm, req.text(), chat=False)
-        except RidgefillError as e:
-            raise ApiError(400, str(e), "messages" if chat else "prompt") from None
-        n = int(ids.shape[1])
-        max_tokens = _max_tokens(req, chat, n)
+        raw = await request.body()  # capped by the Guard
         loop = asyncio.get_running_loop()
-        job = Job(ids, method, cfg.methods[method], max_tokens, req.temperature, req.top_p, req.seed, req.stops(), loop)
+        p = await loop.run_in_executor(state["prepare"], prepare, lm, cfg.methods, cfg.default_method, raw, chat)
+        req = p.request
+        job = Job(
+            p.input_ids,
+            p.method,
+            cfg.methods[p.method],
+            p.max_tokens,
+            req.temperature,
+            req.top_p,
+            req.seed,
+            p.stop,
+            loop,
+        )
         try:
             state["worker"].submit(job)
         except QueueFull as e:
             raise ApiError(429, str(e), None, "queue_full") from None
         rid = new_id("chatcmpl" if chat else "cmpl")
         if req.stream:
-            return StreamingResponse(_stream(job, rid, chat, n), media_type="text/event-stream")
-        return await _collect(request, job, rid, chat, n)
-
-    def _max_tokens(req, chat: bool, n: int) -> int:
-        ctx = lm.context_length
-        if n >= ctx:
-            raise ApiError(
-                400,
-                f"the prompt has {n} tokens; {lm.name}'s context is {ctx}",
-                "messages" if chat else "prompt",
-                "context_length_exceeded",
-            )
-        asked = (req.max_completion_tokens if chat else None) or req.max_tokens
-        if asked is None:
-            return min(DEFAULT_MAX_TOKENS["chat" if chat else "completions"], ctx - n)
-        if not 1 <= asked <= ctx:
-            raise ApiError(400, f"max_tokens must be between 1 and {ctx}, got {asked}", "max_tokens")
-        if n + asked > ctx:
-            raise ApiError(
-                400,
-                f"{n} prompt tokens + max_tokens {asked} exceed {lm.name}'s context of {ctx}",
-                "max_tokens",
-                "context_length_exceeded",
-            )
-        return asked
+            return StreamingResponse(_stream(job, rid, chat, p.prompt_tokens), media_type="text/event-stream")
+        return await _collect(request, job, rid, chat, p.prompt_tokens)
 
     def _usage(n: int, generated: int, first: tuple | None, submitted: float) -> dict:
         usage: dict[str, Any] = {"prompt_tokens": n, "completion_tokens": generated, "total_tokens": n + generated}
@@ -243,24 +218,34 @@ def create_app(cfg: ServeConfig) -> FastAPI:
         ev = await job.events.get()
         return (*ev, time.perf_counter()) if ev[0] == "first" else ev
 
+    async def _watch(request: Request, job: Job) -> None:
+        """Cancel `job` the moment its client disconnects (the body is read, so the next ASGI
+        message is the disconnect) and wake the collector with a "gone" event."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        state["worker"].cancel(job)
+        job.events.put_nowait(("gone",))
+
     async def _collect(request: Request, job: Job, rid: str, chat: bool, n: int):
         submitted, parts, first = time.perf_counter(), [], None
-        while True:
-            try:
-                ev = await asyncio.wait_for(_next(job), timeout=0.5)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    state["worker"].cancel(job)
-                    return Response(status_code=499)
-                continue
-            if ev[0] == "first":
-                first = ev
-            elif ev[0] == "text":
-                parts.append(ev[1])
-            elif ev[0] == "error":
-                raise ApiError(ev[1], ev[2])
-            else:
-                return completion_object(rid, lm.name, chat, "".join(parts), ev[1], _usage(n, ev[2], first, submitted))
+        watch = asyncio.create_task(_watch(request, job))
+        try:
+            while True:
+                ev = await _next(job)
+                if ev[0] == "first":
+                    first = ev
+                elif ev[0] == "text":
+                    parts.append(ev[1])
+                elif ev[0] == "gone":
+                    return Response(status_code=499)  # nobody reads it; it closes the cycle
+                elif ev[0] == "error":
+                    raise ApiError(ev[1], ev[2])
+                else:
+                    usage = _usage(n, ev[2], first, submitted)
+                    return completion_object(rid, lm.name, chat, "".join(parts), ev[1], usage)
+        finally:
+            watch.cancel()
+            state["worker"].cancel(job)  # no-op once done
 
     async def _stream(job: Job, rid: str, chat: bool, n: int) -> AsyncIterator[str]:
         submitted, first = time.perf_counter(), None
@@ -283,15 +268,9 @@ def create_app(cfg: ServeConfig) -> FastAPI:
         finally:  # the client left, or we are done (then this changes nothing)
             state["worker"].cancel(job)
 
+    routes = frozenset(route.path for route in app.routes)
+    app.add_middleware(Guard, security=security, count=metrics.response, routes=routes)
     return app
-
-
-async def _json(request: Request) -> object:
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
 
 
 def _sse(obj: dict) -> str:

@@ -12,6 +12,7 @@ import uvicorn
 
 from ridgefill.errors import RidgefillError
 from ridgefill.serve.app import ServeConfig, create_app
+from ridgefill.serve.guard import Security
 
 
 def free_port() -> int:
@@ -21,10 +22,11 @@ def free_port() -> int:
 
 
 @contextmanager
-def local_server(cfg: ServeConfig, start_timeout: float = 30.0) -> Iterator[str]:
+def local_server(cfg: ServeConfig, security: Security | None = None, start_timeout: float = 30.0) -> Iterator[str]:
     """Serve `cfg` on 127.0.0.1; yield the base URL (`http://127.0.0.1:PORT`); stop on exit."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(cfg), host="127.0.0.1", port=port, log_level="warning"))
+    app = create_app(cfg, security or Security.for_host("127.0.0.1"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="ridgefill-http", daemon=True)
     thread.start()
     deadline = time.monotonic() + start_timeout

@@ -1,7 +1,8 @@
 """Prometheus metrics of one server: TTFT by method, token counters, queue depth, responses.
 
 What it is: a private registry per app (so tests can run several servers in one process) and
-its text exposition for `GET /metrics`.
+its text exposition for `GET /metrics`. Response labels stay bounded: the caller passes a route
+from a fixed set (guard.py), never the raw request path.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ class Metrics:
     def finished(self, prompt_tokens: int, generated: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
         self.generated_tokens.inc(generated)
+
+    def response(self, route: str, status: int) -> None:
+        self.responses.labels(route=route, status=str(status)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -71,8 +71,11 @@ class Worker:
         self._thread.start()
 
     def submit(self, job: Job) -> None:
+        """Admit `job` or raise `QueueFull`. Running and waiting jobs are counted together under one
+        lock (a job moving from waiting to running keeps the sum), so however requests race, at
+        most 1 + `max_queue` are admitted at a time."""
         with self._lock:
-            if self.waiting >= self.max_queue and (self.running or self.waiting):
+            if self.waiting + self.running > self.max_queue:
                 raise QueueFull(f"{self.waiting} requests are waiting (limit {self.max_queue}); retry later")
             self.waiting += 1
         self._jobs.put(job)
