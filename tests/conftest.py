@@ -52,6 +52,18 @@ def make_tiny(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> L
     return LoadedModel(model=model, tokenizer=None, name=f"tiny-{arch}", parts=hf.model_parts(model))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def fp32_by_default():
+    """Tests compare against fp32 references on every machine: `--dtype auto` reads this CPU as
+    having no native bf16 (an explicit cpuinfo text, as the dtype tests pass, is still read)."""
+    from ridgefill.models import device
+
+    real = device.cpu_bf16
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(device, "cpu_bf16", lambda cpuinfo=None: False if cpuinfo is None else real(cpuinfo))
+        yield
+
+
 @pytest.fixture(params=sorted(TINY_CONFIGS))
 def tiny(request) -> LoadedModel:
     return make_tiny(request.param)
@@ -61,7 +73,7 @@ def tiny(request) -> LoadedModel:
 def smollm2() -> LoadedModel:
     from ridgefill.models import load_model
 
-    return load_model("smollm2-135m")
+    return load_model("smollm2-135m", dtype="float32")
 
 
 @pytest.fixture(scope="session")

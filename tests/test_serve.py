@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from ridgefill.generation import generate
-from ridgefill.methods import FillSettings
+from ridgefill.methods import FillSettings, Prefill
 from ridgefill.serve import ServeConfig
 from ridgefill.serve.loadtest import run_load
 from ridgefill.serve.local import local_server
@@ -26,7 +26,8 @@ SETTINGS = FillSettings(split=15, sink=4, tail=64)
 
 
 def _config(lm, max_queue=32) -> ServeConfig:
-    return ServeConfig(lm, {"exact": {}, "identity": {"settings": SETTINGS}}, "identity", max_queue)
+    methods = {"exact": Prefill("exact", "exact"), "identity": Prefill("identity", "identity", SETTINGS)}
+    return ServeConfig(lm, methods, "identity", max_queue)
 
 
 @pytest.fixture(scope="module")

@@ -22,15 +22,16 @@ from ridgefill.errors import RidgefillError
 EXAMPLES = {
     None: """examples:
   ridgefill demo
-  ridgefill fit && ridgefill bench --lengths 4096
   ridgefill generate --prompt-file report.txt --prompt "Summarise the report." --max-new-tokens 128
-  ridgefill models list
-  ridgefill models pull qwen2.5-0.5b""",
+  ridgefill bench --lengths 4096 --methods exact,tuned
+  ridgefill models pull qwen2.5-0.5b
+  ridgefill experimental --help""",
     "generate": """examples:
   ridgefill generate --prompt "What is the capital of France?"
   ridgefill generate --model qwen2.5-0.5b --prompt-file long.txt --prompt "Summarise the text above."
-  ridgefill generate --model ./my-llama-dir --dtype bfloat16 --prompt "Hello" --method exact
-  ridgefill generate --prompt-file long.txt --prompt "Who signed it?" --method ridge --split 15 --tail 512""",
+  ridgefill generate --model ./my-llama-dir --dtype float32 --prompt "Hello" --method exact
+  ridgefill generate --prompt-file long.txt --prompt "Who signed it?" --method ridge --split 15 --tail 512
+  ridgefill generate --prompt-file long.txt --prompt "Who signed it?" --method tuned:tail=1024""",
     "models": """examples:
   ridgefill models list
   ridgefill models pull gemma3-270m""",
@@ -40,23 +41,23 @@ EXAMPLES = {
   ridgefill fit --corpus ./my_docs/ --methods ridge --splits 15 --out ./maps""",
     "bench": """examples:
   ridgefill bench
-  ridgefill bench --lengths 4096 --methods exact,ridge --split 15 --repeats 5 --out results/bench.json""",
+  ridgefill bench --lengths 4096 --methods exact,tuned,ridge:query_rows=256 --split 15 --repeats 5 --out bench.json""",
     "ppl": """examples:
   ridgefill ppl
   ridgefill ppl --length 4096 --docs 8 --splits 10,15,20 --methods identity,ridge,kva --out results/ppl.json""",
     "fill-error": """examples:
-  ridgefill fill-error
-  ridgefill fill-error --split 15 --length 4096 --docs 2 --out results/fill_error.json --plot results/fill_error.png""",
+  ridgefill experimental fill-error
+  ridgefill experimental fill-error --split 15 --length 4096 --docs 2 --out fill_error.json --plot fill_error.png""",
     "eval": """examples:
   ridgefill eval --tasks niah_single_1 --lengths 2048 --samples 5
   ridgefill eval --lengths 4096 --samples 50 --methods identity,ridge --split 15 --ppl-docs 8 \\
       --out results/eval.json --plots results/eval_plots""",
     "ablation": """examples:
-  ridgefill ablation results/eval_smollm2-135m_4k.json results/eval_query_rows.json \\
+  ridgefill experimental ablation results/eval_smollm2-135m_4k.json results/eval_query_rows.json \\
       --bench results/bench_smollm2-135m.json --out results/ablation_smollm2-135m_4k.json""",
     "needles": """examples:
-  ridgefill needles --methods ridge:query_rows=512 --split 15 --samples 10
-  ridgefill needles --methods ridge:query_rows=512 --split 15 --samples 50 \\
+  ridgefill experimental needles --methods ridge:query_rows=512 --split 15 --samples 10
+  ridgefill experimental needles --methods ridge:query_rows=512 --split 15 --samples 50 \\
       --scores results/eval_smollm2-135m_4k.samples.jsonl --out results/needles_smollm2-135m_4k_q512.json""",
     "tune": """examples:
   ridgefill tune --model smollm2-135m --budget-niah 2 --budget-ppl 5
@@ -73,7 +74,7 @@ EXAMPLES = {
   ridgefill loadtest --clients 16 --requests 2 --queue-limits 32,2 --out results/serve_load.json""",
     "demo": """examples:
   ridgefill demo
-  ridgefill demo --tokens 6000""",
+  ridgefill demo --model qwen2.5-0.5b --tokens 8000""",
 }
 
 
@@ -91,8 +92,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-file", type=Path, help="a text file placed before --prompt (a long document)")
     g.add_argument(
         "--method",
-        default="exact",
-        help="exact, identity, ridge, kva, tokengate, gated-ridge, or tuned (the bundle `ridgefill tune` wrote)",
+        default=None,
+        help="exact, identity, ridge, kva, tokengate, gated-ridge or tuned, with settings as name:key=value "
+        "(default: tuned where the model has a tuned configuration, else exact)",
     )
     fill_args(g)
     g.add_argument("--max-new-tokens", type=int, default=128)
@@ -121,7 +123,7 @@ def _parser() -> argparse.ArgumentParser:
         "--calib-facts",
         type=int,
         default=0,
-        help="retrieval-like key-value facts spliced into each calibration segment (default 0: text as it is)",
+        help="experimental: key-value facts spliced into each calibration segment (default 0: text as it is)",
     )
     f.add_argument("--heldout-tokens", type=int, default=4096, help="held-out tokens for choosing lambda")
     f.add_argument("--segment-tokens", type=int, default=2048)
@@ -156,19 +158,6 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--out", type=Path, default=None)
     q.set_defaults(func=cmd_ppl)
 
-    e = sub.add_parser(
-        "fill-error", help="per-layer error of filled inputs, K, V", epilog=EXAMPLES["fill-error"], formatter_class=fmt
-    )
-    model_args(e)
-    e.add_argument("--split", type=int, default=None, help="default: half the layers")
-    e.add_argument("--length", type=int, default=4096)
-    e.add_argument("--docs", type=int, default=2)
-    e.add_argument("--maps", type=Path, default=None)
-    e.add_argument("--corpus", default=None)
-    e.add_argument("--out", type=Path, default=None, help="JSON output")
-    e.add_argument("--plot", type=Path, default=None, help="PNG output")
-    e.set_defaults(func=cmd_fill_error)
-
     v = sub.add_parser("eval", help="RULER retrieval + tail perplexity", epilog=EXAMPLES["eval"], formatter_class=fmt)
     model_args(v)
     v.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,vt")
@@ -188,38 +177,6 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--plots", type=Path, default=None, help="folder for PNG plots")
     v.set_defaults(func=cmd_eval)
 
-    a = sub.add_parser(
-        "ablation", help="one table from several eval results files", epilog=EXAMPLES["ablation"], formatter_class=fmt
-    )
-    a.add_argument("files", nargs="+", type=Path, help="`ridgefill eval --out` JSON files")
-    a.add_argument(
-        "--bench",
-        nargs="*",
-        type=Path,
-        default=[],
-        help="`ridgefill bench --out` JSON files: a row's clean TTFT from the bench row of the same configuration",
-    )
-    a.add_argument("--out", type=Path, default=None, help="JSON output (a .md table is written beside it)")
-    a.set_defaults(func=cmd_ablation)
-
-    d = sub.add_parser(
-        "needles",
-        help="did a method run the needle's rows? (no decode)",
-        epilog=EXAMPLES["needles"],
-        formatter_class=fmt,
-    )
-    model_args(d)
-    d.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_single_3,niah_multikey_1")
-    d.add_argument("--length", type=int, default=4096)
-    d.add_argument("--samples", type=int, default=50, help="samples per task (eval's prompts with the same seed)")
-    d.add_argument("--methods", default="ridge:query_rows=512", help="variants as name:key=value")
-    fill_args(d)
-    d.add_argument("--seed", type=int, default=42)
-    d.add_argument("--corpus", default=None, help="essay haystack source (evaluation split is used)")
-    d.add_argument("--scores", type=Path, default=None, help="an eval per-sample JSONL cache: join its scores")
-    d.add_argument("--out", type=Path, default=None, help="JSON output")
-    d.set_defaults(func=cmd_needles)
-
     u = sub.add_parser(
         "tune", help="fastest configuration within NIAH and PPL budgets", epilog=EXAMPLES["tune"], formatter_class=fmt
     )
@@ -230,7 +187,7 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server", epilog=EXAMPLES["serve"], formatter_class=fmt)
     model_args(s)
     s.add_argument(
-        "--method", default=None, help="default prefill method (default: ridge if its maps exist, else exact)"
+        "--method", default=None, help="default prefill method (default: tuned where the model has one, else exact)"
     )
     fill_args(s)
     s.add_argument(
@@ -269,14 +226,69 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--out", type=Path, default=None, help="JSON results")
     t.set_defaults(func=cmd_loadtest)
 
+    add_experimental(sub, fmt)
+
     d = sub.add_parser("demo", help="the built-in long-prompt demo", epilog=EXAMPLES["demo"], formatter_class=fmt)
     model_args(d)
-    d.add_argument("--tokens", type=int, default=3000, help="approximate prompt length")
-    d.add_argument("--split", type=int, default=None, help="split layer (default: half the layers)")
-    d.add_argument("--tail", type=int, default=256)
-    d.add_argument("--corpus", default=None, help="calibration text if no maps are cached (default: Python docs)")
+    d.add_argument("--tokens", type=int, default=6000, help="approximate prompt length")
+    d.add_argument("--maps", type=Path, default=None, help="map folder or tuned bundle (default: the model's cache)")
     d.set_defaults(func=cmd_demo)
     return p
+
+
+def add_experimental(sub, fmt) -> None:
+    """`ridgefill experimental ...`: research tools, kept apart so the main commands stay small."""
+    x = sub.add_parser(
+        "experimental",
+        help="research tools: fill-error, ablation, needles",
+        description="Research tools for studying the fill; their outputs and options may change.",
+        formatter_class=fmt,
+    )
+    sub = x.add_subparsers(dest="experimental_command", metavar="TOOL", required=True)
+    e = sub.add_parser(
+        "fill-error", help="per-layer error of filled inputs, K, V", epilog=EXAMPLES["fill-error"], formatter_class=fmt
+    )
+    model_args(e)
+    e.add_argument("--split", type=int, default=None, help="default: half the layers")
+    e.add_argument("--length", type=int, default=4096)
+    e.add_argument("--docs", type=int, default=2)
+    e.add_argument("--maps", type=Path, default=None)
+    e.add_argument("--corpus", default=None)
+    e.add_argument("--out", type=Path, default=None, help="JSON output")
+    e.add_argument("--plot", type=Path, default=None, help="PNG output")
+    e.set_defaults(func=cmd_fill_error)
+
+    a = sub.add_parser(
+        "ablation", help="one table from several eval results files", epilog=EXAMPLES["ablation"], formatter_class=fmt
+    )
+    a.add_argument("files", nargs="+", type=Path, help="`ridgefill eval --out` JSON files")
+    a.add_argument(
+        "--bench",
+        nargs="*",
+        type=Path,
+        default=[],
+        help="`ridgefill bench --out` JSON files: a row's clean TTFT from the bench row of the same configuration",
+    )
+    a.add_argument("--out", type=Path, default=None, help="JSON output (a .md table is written beside it)")
+    a.set_defaults(func=cmd_ablation)
+
+    d = sub.add_parser(
+        "needles",
+        help="did a method run the needle's rows? (no decode)",
+        epilog=EXAMPLES["needles"],
+        formatter_class=fmt,
+    )
+    model_args(d)
+    d.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_single_3,niah_multikey_1")
+    d.add_argument("--length", type=int, default=4096)
+    d.add_argument("--samples", type=int, default=50, help="samples per task (eval's prompts with the same seed)")
+    d.add_argument("--methods", default="ridge:query_rows=512", help="variants as name:key=value")
+    fill_args(d)
+    d.add_argument("--seed", type=int, default=42)
+    d.add_argument("--corpus", default=None, help="essay haystack source (evaluation split is used)")
+    d.add_argument("--scores", type=Path, default=None, help="an eval per-sample JSONL cache: join its scores")
+    d.add_argument("--out", type=Path, default=None, help="JSON output")
+    d.set_defaults(func=cmd_needles)
 
 
 def main(argv: list[str] | None = None) -> int:

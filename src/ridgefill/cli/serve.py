@@ -15,17 +15,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from ridgefill.serve import Security, ServeConfig, create_app
     except ImportError as e:
         raise RidgefillError(f"serving needs its extra: pip install 'ridgefill[serve]' ({e.name} is missing)") from None
-    from ridgefill.cli.common import default_split
-    from ridgefill.methods import FillSettings
-    from ridgefill.models import load_model
+    from ridgefill.cli.common import load, setting_options
 
     if not 0 <= args.port <= 65535:
         raise RidgefillError(f"port {args.port} is outside 0..65535")
     api_key = args.api_key or os.environ.get("RIDGEFILL_API_KEY") or None
     security = Security.for_host(args.host, api_key, args.max_body_bytes)
-    lm = load_model(args.model, dtype=args.dtype)
-    settings = FillSettings(default_split(lm, args.split), args.sink, args.tail, query_rows=args.query_rows)
-    cfg = ServeConfig.for_model(lm, args.method, settings, args.maps, args.max_queue)
+    lm = load(args)
+    cfg = ServeConfig.for_model(lm, args.method, args.maps, args.max_queue, setting_options(args))
     print(
         f"serving {lm.name} on http://{args.host}:{args.port}/v1 "
         f"(prefill methods: {', '.join(sorted(cfg.methods))}; default {cfg.default_method})",
@@ -38,19 +35,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_loadtest(args: argparse.Namespace) -> int:
-    from ridgefill.cli.common import default_split, ints
-    from ridgefill.methods import FillSettings
-    from ridgefill.models import load_model
+    from ridgefill.cli.common import ints, load, setting_options
     from ridgefill.results import write_json
     from ridgefill.serve import ServeConfig
     from ridgefill.serve.loadtest import run_load
     from ridgefill.serve.local import local_server
 
-    lm = load_model(args.model, dtype=args.dtype)
-    settings = FillSettings(default_split(lm, args.split), args.sink, args.tail, query_rows=args.query_rows)
+    lm = load(args)
     runs = []
     for limit in ints(args.queue_limits):
-        cfg = ServeConfig.for_model(lm, args.method, settings, args.maps, limit)
+        cfg = ServeConfig.for_model(lm, args.method, args.maps, limit, setting_options(args))
         with local_server(cfg) as url:
             report = run_load(url, lm.name, args.clients, args.requests, args.max_tokens, args.timeout)
         runs.append({"max_queue": limit, "method": cfg.default_method, **report})

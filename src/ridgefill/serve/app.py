@@ -41,9 +41,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from ridgefill.errors import MapError, RidgefillError
-from ridgefill.fit.maps import MAP_METHODS, load_maps
-from ridgefill.methods import FillSettings, prefill_kwargs, settings_for
+from ridgefill.errors import RidgefillError
+from ridgefill.methods import METHODS, Prefill, default_method, resolve_prefill
+from ridgefill.methods.resolve import TUNED, applicable
 from ridgefill.models.loading import LoadedModel
 from ridgefill.serve.guard import Guard, Security
 from ridgefill.serve.metrics import Metrics
@@ -60,13 +60,13 @@ class ServeConfig:
 
     Attributes:
         lm: the loaded model; requests must name `lm.name`.
-        methods: prefill method name -> keyword arguments (maps, settings) it runs with.
+        methods: prefill method name -> the resolved `Prefill` it runs.
         default_method: used when a request does not choose one.
         max_queue: requests allowed to wait behind the running one; beyond it, 429.
     """
 
     lm: LoadedModel
-    methods: dict[str, dict[str, Any]] = field(default_factory=lambda: {"exact": {}})
+    methods: dict[str, Prefill] = field(default_factory=lambda: {"exact": Prefill("exact", "exact")})
     default_method: str = "exact"
     max_queue: int = 32
 
@@ -75,42 +75,31 @@ class ServeConfig:
         cls,
         lm: LoadedModel,
         method: str | None = None,
-        settings: FillSettings | None = None,
         maps: Path | None = None,
         max_queue: int = 32,
+        settings: dict[str, Any] | None = None,
     ) -> ServeConfig:
-        """Every method this model can serve: exact, identity and tokengate always; ridge/kva where
-        their maps load, and gated-ridge with the ridge maps.
+        """Every method this model can serve, each resolved once (methods/resolve.py).
 
-        `maps` is one map file (its method and split win) or a folder (default: the model's cache
-        folder, searched at `settings.split`). Without `method`, ridge when its maps loaded, else exact.
+        The default (`method`, else `tuned` where the model has a tuned configuration, else exact)
+        must resolve, its maps fitted on first use: any problem with it, such as a corrupt map file,
+        stops the server with its message. The others (exact, identity, tokengate; ridge, kva and
+        gated-ridge where their maps load; tuned) are offered where they resolve without fitting;
+        each one left out is logged with its reason. `settings` (split, sink, tail, query_rows)
+        apply to every method that has them, except `tuned`; `maps` is a map file, a tuned bundle
+        or a folder (default: the model's cache folder).
         """
-        s = settings or FillSettings(split=lm.num_layers // 2)
-        methods: dict[str, dict[str, Any]] = {
-            "exact": {},
-            "identity": {"settings": s},
-            "tokengate": prefill_kwargs(lm, "tokengate", settings_for("tokengate", sink=s.sink, tail=s.tail)),
-        }
-        problems = {}
-        if maps is not None and Path(maps).is_file():
-            m = load_maps(maps, lm)
-            methods[m.method] = {"maps": m, "settings": s}
-        else:
-            for name in MAP_METHODS:
-                try:
-                    methods[name] = prefill_kwargs(lm, name, s, maps)
-                except MapError as e:
-                    problems[name] = str(e)
-        if "ridge" in methods:
-            gated = settings_for("gated-ridge", split=methods["ridge"]["maps"].split, sink=s.sink, tail=s.tail)
-            methods["gated-ridge"] = {"maps": methods["ridge"]["maps"], "settings": gated}
-        if method is None:
-            method = "ridge" if "ridge" in methods else "exact"
-        if method not in methods:
-            raise RidgefillError(
-                problems.get(method) or f"unknown prefill method {method!r}; choose from {sorted(methods)}"
-            )
-        return cls(lm, methods, method, max_queue)
+        settings = settings or {}
+        default = method or default_method(lm, maps)
+        methods = {default: resolve_prefill(lm, default, maps=maps, **applicable(default, settings))}
+        for name in (*METHODS, TUNED):
+            if name in methods:
+                continue
+            try:
+                methods[name] = resolve_prefill(lm, name, maps=maps, fit_missing=False, **applicable(name, settings))
+            except RidgefillError as e:
+                log.warning("serving without %s: %s", name, e)
+        return cls(lm, methods, default, max_queue)
 
     def __post_init__(self):
         if self.default_method not in self.methods:

@@ -22,7 +22,7 @@ import torch
 from ridgefill.engine import Engine
 from ridgefill.errors import RidgefillError
 from ridgefill.generation import StopText, stream_tokens
-from ridgefill.methods import run_prefill
+from ridgefill.methods import Prefill
 from ridgefill.models.loading import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -38,8 +38,8 @@ class Job:
     ("done", finish_reason, completion_tokens), ("error", status, message)."""
 
     input_ids: torch.Tensor  # (1, N)
-    method: str
-    method_kwargs: dict[str, Any]
+    method: str  # the name the request asked for
+    prefill: Prefill  # what it resolved to
     max_tokens: int
     temperature: float
     top_p: float
@@ -114,13 +114,13 @@ class Worker:
 
     def _run(self, job: Job) -> None:
         t0 = time.perf_counter()
-        pre = run_prefill(Engine(self.lm), job.input_ids, job.method, **job.method_kwargs)
+        pre = job.prefill.run(Engine(self.lm), job.input_ids)
         out = StopText(self.lm, job.stop)
         finish = "length"
         for tok in stream_tokens(self.lm, job.input_ids, pre, job.max_tokens, job.temperature, job.top_p, job.seed):
             if not out.tokens:
                 ttft = time.perf_counter() - t0
-                meta = {"method": job.method, "ran_exact": bool(pre.meta.get("ran_exact", job.method == "exact"))}
+                meta = {"method": job.method, "ran_exact": pre.ran_exact}
                 job.emit("first", ttft, meta)
                 if self._on_first:
                     self._on_first("exact" if meta["ran_exact"] else job.method, ttft)
