@@ -55,12 +55,12 @@ def make_tiny(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> L
 @pytest.fixture(scope="session", autouse=True)
 def fp32_by_default():
     """Tests compare against fp32 references on every machine: `--dtype auto` reads this CPU as
-    having no native bf16 (an explicit cpuinfo text, as the dtype tests pass, is still read)."""
+    having no AMX (an explicit cpuinfo text, as the dtype tests pass, is still read)."""
     from ridgefill.models import device
 
-    real = device.cpu_bf16
+    real = device.cpu_amx
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(device, "cpu_bf16", lambda cpuinfo=None: False if cpuinfo is None else real(cpuinfo))
+        mp.setattr(device, "cpu_amx", lambda cpuinfo=None: False if cpuinfo is None else real(cpuinfo))
         yield
 
 

@@ -18,7 +18,7 @@ import torch
 import transformers
 
 from ridgefill.files import atomic_path, write_text
-from ridgefill.models.device import cpu_bf16, cpu_model
+from ridgefill.models.device import cpu_amx, cpu_bf16, cpu_model
 
 __all__ = ["command_line", "cpu_bf16", "environment", "save_png", "write_json"]
 
@@ -33,6 +33,7 @@ def environment() -> dict:
         "python": platform.python_version(),
         "cpu": cpu_model(),
         "cpu_bf16": cpu_bf16(),
+        "cpu_amx": cpu_amx(),
         "torch_threads": torch.get_num_threads(),
     }
 

@@ -46,7 +46,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from ridgefill.bench.ttft import BenchConfig, run_bench
     from ridgefill.eval.adapter import spec_settings
-    from ridgefill.models.device import cpu_bf16
+    from ridgefill.models.device import cpu_amx
     from ridgefill.results import write_json
 
     lm = load(args)
@@ -72,8 +72,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             f"{r['speedup_min']:5.2f}-{r['speedup_max']:<5.2f}  {r['flop_bound']:9.2f}x {r['fraction_of_bound']:7.0%} "
             f"{r['attn_median_s']:8.3f} {r['attn_speedup'] or 0:6.2f}x {r['tokens_per_s']:8.0f} {r['peak_mem_mb']:9.0f}"
         )
-    if dtype_name(lm) == "float32" and lm.device.type == "cpu" and cpu_bf16():
-        print("note: this CPU computes bf16 natively; `--dtype bfloat16` is likely the faster exact baseline")
+    if dtype_name(lm) == "float32" and lm.device.type == "cpu" and cpu_amx():
+        print("note: this CPU has AMX; `--dtype bfloat16` is likely the faster exact baseline")
     if args.out:
         config = {
             **asdict(cfg),
