@@ -1,1 +1,1 @@
-"""Accuracy measurements: tail perplexity now; RULER retrieval with issue 4."""
+"""Accuracy measurements: tail perplexity, RULER retrieval, and the experimental ablation tools."""

@@ -1,4 +1,4 @@
-"""Ablation tables (issue 5): rows gathered from several `ridgefill eval` results files.
+"""Ablation tables (experimental): rows gathered from several `ridgefill eval` results files.
 
 What it is: one row per (results file, method, length): the method's full settings, the needle
 tasks pooled and paired against exact on the same prompts (score, delta with 95% CI), the

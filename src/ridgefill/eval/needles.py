@@ -1,4 +1,4 @@
-"""`ridgefill needles`: does a skipping method run the needle's rows? (issue 5: "is the needle scored?")
+"""`ridgefill experimental needles`: does a skipping method run the needle's rows, and how does it rank them?
 
 What it is: RULER needle prompts, each prefilled (no decode) under the chosen methods; per prompt
 and method the share of the needle's tokens that ran every layer and the needle's rank under the

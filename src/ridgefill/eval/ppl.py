@@ -2,7 +2,7 @@
 
 What it is: for held-out documents cut to a given length, each method prefills the whole
 document and returns logits for the tail rows; the NLL of the tokens they predict is compared
-with exact's on the same documents. What it is not: RULER retrieval (see the eval issue).
+with exact's on the same documents. What it is not: RULER retrieval (eval/ruler.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Retrieval-like calibration content: short key-value facts spliced into calibration segments.
 
-What it is: issue 5's "add retrieval-like content to the calibration text". The fill maps are fitted
+What it is (experimental): retrieval-like content added to the calibration text. The fill maps are fitted
 on prose, so the rows a retrieval prompt depends on (a fact with a rare key and a number, in the
 middle of unrelated text) are rows the fit rarely saw. `with_facts` inserts `per_segment` facts at
 random positions of each calibration segment, keeping its length, so the fit sees such rows in a

@@ -1,1 +1,1 @@
-"""Per-model tuning: search fill configurations under accuracy budgets (issue 5)."""
+"""Per-model tuning: search fill configurations under accuracy budgets."""

@@ -58,7 +58,7 @@ def grid(space: Space, num_layers: int) -> list[Candidate]:
     sparse_keep (block-sparse attention in the layers below the split).
 
     A drop without query rows is left out: it removes rows by the same score that picks the query
-    rows, so without them it only loses information (measured: issue 3's note).
+    rows, so without them it only loses information (measured on SmolLM2, docs/results.md).
     """
     splits = space.resolved_splits(num_layers)
     bad = [s for s in splits if not 0 < s < num_layers - 1]
