@@ -143,7 +143,7 @@ def test_tuned_bundle_through_the_python_api_and_patch(tmp_path):
         resolve_prefill(lm, "ridge", maps=maps["ridge"], split=2)
 
 
-def test_a_corrupt_map_file_in_the_folder_is_an_error_not_a_fallback(tmp_path):
+def test_a_corrupt_map_file_in_the_folder_is_an_error_not_a_fallback(tmp_path, caplog):
     from ridgefill.fit.maps import maps_filename
     from ridgefill.serve import ServeConfig
 
@@ -152,7 +152,10 @@ def test_a_corrupt_map_file_in_the_folder_is_an_error_not_a_fallback(tmp_path):
     with pytest.raises(MapError, match="ridge.s1.safetensors"):
         resolve_prefill(lm, "ridge", split=1, maps=tmp_path)
     with pytest.raises(MapError, match="ridge.s1.safetensors"):
-        ServeConfig.for_model(lm, "ridge", tmp_path, settings={"split": 1})
+        ServeConfig.for_model(lm, "ridge", tmp_path, settings={"split": 1})  # the default must load
+    with caplog.at_level("WARNING"):  # an optional method left out says why
+        cfg = ServeConfig.for_model(lm, None, tmp_path, settings={"split": 1})
+    assert "ridge" not in cfg.methods and "serving without ridge" in caplog.text and "ridge.s1" in caplog.text
 
 
 @pytest.mark.slow
