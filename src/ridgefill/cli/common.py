@@ -101,11 +101,34 @@ def method_prefill(lm, spec: str, args: argparse.Namespace, **extra):
     )
 
 
-def eval_tokens(lm, corpus: str | None, length: int, count: int) -> list[list[int]]:
-    """`count` prompts of `length` tokens from the evaluation split (never calibration text)."""
-    from ridgefill.corpus import load_corpus, token_segments
+def text_args(p: argparse.ArgumentParser, corpus_help: str) -> None:
+    """Where evaluation text comes from: a named domain or the user's own files, not both."""
+    from ridgefill.domains import DOMAINS
 
-    docs = load_corpus(corpus).part("eval")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument(
+        "--domain",
+        default=None,
+        help=f"text domain: {', '.join(DOMAINS)} (default: docs, the Python 3.11 docs' evaluation split; "
+        "maps stay fitted on docs whatever the domain)",
+    )
+    g.add_argument("--corpus", default=None, help=corpus_help)
+
+
+def eval_corpus(args: argparse.Namespace):
+    """The command's evaluation text: `--domain`, else `--corpus`, else the default (docs)."""
+    from ridgefill.corpus import load_corpus
+    from ridgefill.domains import load_domain
+
+    return load_domain(args.domain) if args.domain else load_corpus(args.corpus)
+
+
+def eval_tokens(lm, corpus, length: int, count: int) -> list[list[int]]:
+    """`count` prompts of `length` tokens from the evaluation split (never calibration text) of
+    `corpus`: a loaded `Corpus`, or a path (None: the default corpus)."""
+    from ridgefill.corpus import Corpus, load_corpus, token_segments
+
+    docs = (corpus if isinstance(corpus, Corpus) else load_corpus(corpus)).part("eval")
     segments, _ = token_segments(lm.tokenizer, docs, length, length * count, per_doc=length)
     if len(segments) < count:
         raise RidgefillError(f"the evaluation split holds only {len(segments)} prompts of {length} tokens")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from ridgefill.cli.common import dtype_name, eval_tokens, ints, load, method_prefill, names
+from ridgefill.cli.common import dtype_name, eval_corpus, eval_tokens, ints, load, method_prefill, names
 from ridgefill.errors import RidgefillError, check_lengths
 
 
@@ -45,6 +45,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from ridgefill.bench.ttft import BenchConfig, run_bench
+    from ridgefill.domains import corpus_info
     from ridgefill.eval.adapter import spec_settings
     from ridgefill.models.device import cpu_amx
     from ridgefill.results import write_json
@@ -53,11 +54,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     cfg = BenchConfig(ints(args.lengths), args.repeats, args.warmup, args.warmup_length)
     check_lengths(cfg.lengths, lm.name, lm.context_length)  # before maps load and prompts are cut
     specs = [method_prefill(lm, m, args) for m in names(args.methods)]
-    prompts = {n: eval_tokens(lm, args.corpus, n, 1)[0] for n in cfg.lengths}
+    corpus = eval_corpus(args)
+    prompts = {n: eval_tokens(lm, corpus, n, 1)[0] for n in cfg.lengths}
     rows = run_bench(lm, cfg, prompts, specs)
     print(
         f"{lm.name} ({dtype_name(lm)} on {lm.device}), "
-        f"{cfg.warmup} warm-up{f' ({cfg.warmup_length} tokens)' if cfg.warmup_length else ''}, {cfg.repeats} repeats"
+        f"{cfg.warmup} warm-up{f' ({cfg.warmup_length} tokens)' if cfg.warmup_length else ''}, {cfg.repeats} repeats, "
+        f"prompts from {corpus.describe()}"
     )
     for s in specs:
         print(f"  {s.label}: {s.describe()}")
@@ -81,6 +84,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             "methods": [s.label for s in specs],
             # What each label ran (`tuned` resolves to the bundle's method and settings).
             "method_settings": {s.label: spec_settings(s) for s in specs},
+            "corpus": corpus_info(corpus),
         }
         write_json(args.out, {"model": lm.name, "dtype": dtype_name(lm), "config": config, "results": rows}, args.argv)
     return 0
@@ -89,6 +93,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_ppl(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
+    from ridgefill.domains import corpus_info
     from ridgefill.engine import Engine
     from ridgefill.eval.ppl import tail_ppl
     from ridgefill.methods import Prefill, default_split
@@ -96,7 +101,8 @@ def cmd_ppl(args: argparse.Namespace) -> int:
 
     lm = load(args)
     check_lengths((args.length,), lm.name, lm.context_length)
-    docs = eval_tokens(lm, args.corpus, args.length, args.docs)
+    corpus = eval_corpus(args)
+    docs = eval_tokens(lm, corpus, args.length, args.docs)
     tail = scored_tail(args)
     specs = [Prefill("exact", "exact")]
     for split in ints(args.splits) or (default_split(lm.num_layers),):
@@ -107,13 +113,18 @@ def cmd_ppl(args: argparse.Namespace) -> int:
             label = m if fixed else f"{m}@{spec.split}"
             if label not in {s.label for s in specs}:
                 specs.append(replace(spec, label=label))
-    rows = tail_ppl(Engine(lm), docs, specs, tail)
-    print(f"{lm.name} ({dtype_name(lm)}): tail perplexity of the last {tail} tokens, {len(docs)} held-out documents")
-    print(f"{'method':<14} {'tail NLL':>9} {'PPL':>8} {'vs exact':>9}")
+    rows = [{**r, "domain": corpus.domain, "corpus": corpus.id} for r in tail_ppl(Engine(lm), docs, specs, tail)]
+    print(
+        f"{lm.name} ({dtype_name(lm)}): tail perplexity of the last {tail} tokens, {len(docs)} evaluation documents "
+        f"of {corpus.describe()}"
+    )
+    print(f"{'method':<14} {'text':<8} {'tail NLL':>9} {'PPL':>8} {'vs exact':>9}")
     for r in rows:
-        print(f"{r['method']:<14} {r['tail_nll']:9.4f} {r['ppl']:8.3f} {r['ppl_increase_pct']:+8.1f}%")
+        text = r["domain"] or "user"
+        print(f"{r['method']:<14} {text:<8} {r['tail_nll']:9.4f} {r['ppl']:8.3f} {r['ppl_increase_pct']:+8.1f}%")
     if args.out:
-        write_json(args.out, {"model": lm.name, "dtype": dtype_name(lm), "ppl": rows}, args.argv)
+        info = corpus_info(corpus)
+        write_json(args.out, {"model": lm.name, "dtype": dtype_name(lm), "corpus": info, "ppl": rows}, args.argv)
     return 0
 
 
@@ -157,11 +168,10 @@ def cmd_fill_error(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ruler_setup(args: argparse.Namespace, lengths, allowed, unknown: str):
+def _ruler_setup(args: argparse.Namespace, lengths, allowed, unknown: str, text):
     """What `eval` and `needles` share: the tasks (checked against `allowed`), the model (lengths
-    checked against its context before any maps load), the non-exact methods and the essay
-    haystack from the corpus's evaluation split."""
-    from ridgefill.corpus import load_corpus
+    checked against its context before any maps load), the non-exact methods, the evaluation text
+    (`text(args)`, a `Corpus`) and the essay haystack from its evaluation split."""
     from ridgefill.eval.ruler import essay_sentences
 
     tasks = names(args.tasks)
@@ -171,13 +181,15 @@ def _ruler_setup(args: argparse.Namespace, lengths, allowed, unknown: str):
     lm = load(args)
     check_lengths(lengths, lm.name, lm.context_length)
     specs = [method_prefill(lm, m, args) for m in names(args.methods) if m != "exact"]
-    essay = essay_sentences([d.text for d in load_corpus(args.corpus).part("eval")])
-    return tasks, lm, specs, essay
+    corpus = text(args)
+    essay = essay_sentences([d.text for d in corpus.part("eval")])
+    return tasks, lm, specs, corpus, essay
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     import time
 
+    from ridgefill.domains import corpus_info
     from ridgefill.engine import Engine
     from ridgefill.eval import report
     from ridgefill.eval.adapter import DECODE, EngineAdapter, spec_settings
@@ -189,7 +201,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from ridgefill.results import write_json
 
     lengths = ints(args.lengths)
-    tasks, lm, methods, essay = _ruler_setup(args, lengths, TASKS, "unknown task(s)")
+    tasks, lm, methods, corpus, essay = _ruler_setup(args, lengths, TASKS, "unknown task(s)", eval_corpus)
     specs = [Prefill("exact", "exact"), *methods]
     tail = scored_tail(args)
     t0 = time.perf_counter()
@@ -199,11 +211,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
     ruler_tasks = [RulerTask(t, tuple(essay)) for t in tasks]
     records = run_eval(EngineAdapter(lm, specs), ruler_tasks, list(lengths), args.samples, cache, args.seed, tail)
     summary = summarise(records)
+    # Every score names its text (the noise-haystack tasks niah_single_1 and vt read none of it).
+    for key in ("results", "niah_pooled"):
+        summary[key] = [{**r, "domain": corpus.domain, "corpus": corpus.id} for r in summary[key]]
     ppl = []
     if args.ppl_docs:
         for n in lengths:
-            ppl += tail_ppl(Engine(lm), eval_tokens(lm, args.corpus, n, args.ppl_docs), specs, tail)
+            ppl += tail_ppl(Engine(lm), eval_tokens(lm, corpus, n, args.ppl_docs), specs, tail)
+        ppl = [{**r, "domain": corpus.domain, "corpus": corpus.id} for r in ppl]
     recovered = recovered_over_identity(summary["results"])
+    print(f"text: {corpus.describe()} (essay haystacks{' and tail-PPL documents' if ppl else ''})")
     print(report.markdown(summary["results"], ppl))
     if any(r["method"] != "exact" for r in summary["niah_pooled"]):
         print("\nNeedle tasks pooled (each method paired against exact on the same prompts):")
@@ -223,6 +240,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             args.out,
             {
                 "model": lm.name,
+                "corpus": corpus_info(corpus),
                 "decode": DECODE,
                 "methods": [s.label for s in specs],
                 "settings": settings,
@@ -258,13 +276,16 @@ def cmd_ablation(args: argparse.Namespace) -> int:
 
 
 def cmd_needles(args: argparse.Namespace) -> int:
+    from ridgefill.corpus import load_corpus
     from ridgefill.eval import needles
     from ridgefill.eval.ruler import NIAH_TASKS
     from ridgefill.results import write_json
 
     if args.scores is not None and not args.scores.is_file():
         raise RidgefillError(f"eval cache not found: {args.scores}")
-    tasks, lm, specs, essay = _ruler_setup(args, [args.length], NIAH_TASKS, "not needle task(s):")
+    tasks, lm, specs, _, essay = _ruler_setup(
+        args, [args.length], NIAH_TASKS, "not needle task(s):", lambda a: load_corpus(a.corpus)
+    )
     if not specs:
         raise RidgefillError("name at least one method that skips rows (exact runs the needle in full)")
     records = needles.needle_records(lm, specs, list(tasks), args.length, args.samples, essay, args.seed, args.scores)
