@@ -13,7 +13,7 @@ import torch
 import ridgefill
 from conftest import make_tiny
 from ridgefill.errors import MapError, RidgefillError
-from ridgefill.methods import FillSettings, GateSettings, resolve, resolve_prefill
+from ridgefill.methods import FillSettings, GateSettings, resolve_prefill, tuned
 from ridgefill.models.device import pick_device, pick_dtype
 
 AMX = "processor\t: 0\nmodel name\t: Xeon\nflags\t\t: fpu sse2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
@@ -103,7 +103,7 @@ def test_default_method_is_tuned_only_where_a_tuned_configuration_exists(monkeyp
     with caplog.at_level("WARNING"):
         assert resolve_prefill(lm, maps=tmp_path).method == "exact"
     assert "no tuned configuration for tiny-llama" in caplog.text and "ridgefill tune" in caplog.text
-    monkeypatch.setattr(resolve, "shipped_defaults", lambda: {"tiny-llama": {"method": "identity", "settings": {}}})
+    monkeypatch.setattr(tuned, "shipped_defaults", lambda: {"tiny-llama": {"method": "identity", "settings": {}}})
     pre = resolve_prefill(lm, maps=tmp_path)
     assert pre.label == "tuned" and pre.method == "identity" and pre.settings.split == 1
 
@@ -219,3 +219,51 @@ def test_gate_settings_resolve_their_layer():
     lm = make_tiny("llama")
     pre = resolve_prefill(lm, "tokengate", settings=GateSettings(keep=0.5))
     assert pre.settings.gate_layer == 1 and pre.split == 1 and pre.describe().startswith("tokengate gate layer 1")
+
+
+def test_tuned_by_length_picks_each_prompts_bucket(monkeypatch, tmp_path):
+    from ridgefill.methods.tuned import buckets, length_bounds
+
+    assert length_bounds([4096, 8192, 16384]) == [5793, 11585, None] and length_bounds([4096]) == [None]
+    lm = make_tiny("llama")
+    entry = {
+        "by_length": [
+            {"up_to": 64, "method": "exact", "settings": {}},
+            {"up_to": 128, "method": "identity", "settings": {"split": 0, "sink": 2, "tail": 8}},
+            {"up_to": None, "method": "tokengate", "settings": {"gate_layer": 1, "keep": 0.5, "min_length": 0}},
+        ]
+    }
+    monkeypatch.setattr(tuned, "shipped_defaults", lambda: {"tiny-llama": entry})
+    pre = resolve_prefill(lm, "tuned", maps=tmp_path)
+    assert [p.method for p in pre.variants] == ["exact", "identity", "tokengate"]
+    assert pre.for_length(64).method == "exact" and pre.for_length(65).method == "identity"
+    assert pre.for_length(100_000).method == "tokengate" and "up to 64: exact" in pre.describe()
+    engine = ridgefill.Engine(lm)
+    assert pre.run(engine, _ids(48)).ran_exact
+    mid = pre.run(engine, _ids(96))
+    assert mid.method == "identity" and mid.plan.split == 0
+    assert pre.run(engine, _ids(200)).method == "tokengate"
+    assert resolve_prefill(lm, "tuned", maps=tmp_path, tail=16).for_length(96).settings.tail == 16  # asked wins
+    for bad in (
+        {"by_length": []},
+        {"by_length": [{"up_to": 64, "method": "exact", "settings": {}}]},  # the last must be open
+        {
+            "by_length": [
+                {"up_to": 128, "method": "exact", "settings": {}},
+                {"up_to": 64, "method": "exact", "settings": {}},
+                {"up_to": None, "method": "exact", "settings": {}},
+            ]
+        },
+        {"method": "ridge"},
+        [1, 2],
+    ):
+        with pytest.raises(MapError, match="here"):
+            buckets(bad, "here")
+
+
+def test_tuned_refuses_settings_no_bucket_has(monkeypatch, tmp_path):
+    lm = make_tiny("llama")
+    monkeypatch.setattr(tuned, "shipped_defaults", lambda: {"tiny-llama": {"method": "identity", "settings": {}}})
+    with pytest.raises(RidgefillError, match="unknown setting 'splt' for method 'tuned'"):
+        resolve_prefill(lm, "tuned", maps=tmp_path, splt=1)
+    assert resolve_prefill(lm, "tuned", maps=tmp_path, split=0).settings.split == 0

@@ -172,23 +172,41 @@ def test_tune_cli_writes_results_plot_and_a_bundle_generate_reads(smollm2_maps, 
     ]
     assert main(argv) == 0
     doc = json.loads(out.read_text())
-    assert doc["command"].startswith("ridgefill tune") and doc["chosen"] == "ridge@15:tail=128:query_rows=4096"
+    chosen = doc["by_length"]["512"]["chosen"]
+    assert doc["command"].startswith("ridgefill tune") and chosen == "ridge@15:tail=128:query_rows=4096"
     assert plot.stat().st_size > 0 and bundle.is_file()
-    assert "chosen: ridge@15:tail=128:query_rows=4096" in capsys.readouterr().out
+    assert "512 tokens: chosen ridge@15:tail=128:query_rows=4096" in capsys.readouterr().out
     gen = ["generate", "--method", "tuned", "--maps", str(bundle), "--prompt", "Hi", "--max-new-tokens", "2"]
     assert main(gen) == 0
     assert main(["tune", "--seed", "42"]) == 2
 
 
 @pytest.mark.slow
-def test_tuned_falls_back_to_the_shipped_default_with_the_users_maps(smollm2, smollm2_maps, monkeypatch):
-    from ridgefill.methods import resolve, resolve_prefill
+def test_tune_at_several_lengths_writes_one_bucket_per_length(smollm2, smollm2_maps, tmp_path, capsys):
+    from ridgefill.cli import main
+    from ridgefill.methods import resolve_prefill
 
-    monkeypatch.setattr(resolve, "shipped_defaults", lambda: {})
+    out, bundle = tmp_path / "tune.json", tmp_path / "tuned.safetensors"
+    argv = ["tune", "--dtype", "float32", "--lengths", "768,512", "--samples", "1", "--ppl-docs", "1"]
+    argv += ["--splits", "15", "--tails", "128", "--query-rows", "4096", "--drops", "", "--budget-ppl", "1"]
+    argv += ["--budget-niah", "0", "--maps", str(smollm2_maps), "--bundle", str(bundle), "--out", str(out)]
+    assert main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert doc["lengths"] == [512, 768] and set(doc["by_length"]) == {"512", "768"}
+    assert [doc["by_length"][n]["config"]["samples"] for n in ("512", "768")] == [2, 2]  # at least 2 per task
+    pre = resolve_prefill(smollm2, "tuned", maps=bundle)
+    assert [u for u, _ in pre.by_length] == [627, None] and all(p.method == "ridge" for p in pre.variants)
+
+
+@pytest.mark.slow
+def test_tuned_falls_back_to_the_shipped_default_with_the_users_maps(smollm2, smollm2_maps, monkeypatch):
+    from ridgefill.methods import resolve_prefill, tuned
+
+    monkeypatch.setattr(tuned, "shipped_defaults", lambda: {})
     with pytest.raises(MapError, match="no shipped configuration"):
         resolve_prefill(smollm2, "tuned", maps=smollm2_maps)
     default = {"method": "ridge", "settings": {"split": 15, "tail": 256, "query_rows": 512, "drop": 0.5}}
-    monkeypatch.setattr(resolve, "shipped_defaults", lambda: {"smollm2-135m": default})
+    monkeypatch.setattr(tuned, "shipped_defaults", lambda: {"smollm2-135m": default})
     pre = resolve_prefill(smollm2, "tuned", maps=smollm2_maps)
     assert pre.method == "ridge" and pre.maps.split == 15
     assert pre.settings == FillSettings(split=15, tail=256, query_rows=512, drop=0.5)

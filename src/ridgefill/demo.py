@@ -75,7 +75,7 @@ class DemoReport:
             found = "found" if p.answer in r.text else "MISSED"
             out.append(
                 f"  {label:<6} TTFT {self.median(label):6.2f} s (median of {len(t)}, {min(t):.2f}-{max(t):.2f})  "
-                f"answer {r.text.strip()!r} ({found})  [{pre.describe()}]"
+                f"answer {r.text.strip()!r} ({found})  [{pre.for_length(p.input_ids.shape[1]).describe()}]"
             )
         if "tuned" in self.prefills:
             ratio = self.median("exact") / self.median("tuned")

@@ -47,10 +47,9 @@ class PatchState:
     def settings(self):
         return self.prefill.settings
 
-    @property
-    def threshold(self) -> int:
-        """Prompts up to this many tokens take the stock path."""
-        s = self.prefill.settings
+    def threshold(self, n: int) -> int:
+        """Prompts of `n` tokens take the stock path when `n` is at most this."""
+        s = self.prefill.for_length(n).settings
         return 0 if s is None else s.sink + s.tail
 
 
@@ -87,8 +86,10 @@ def patch(
     if lm.tokenizer is None and fit_missing and method not in ("exact", "identity", "tokengate"):
         fit_missing = False  # fitting reads text, which needs the tokenizer: refuse missing maps instead
     prefill = resolve_prefill(lm, method, maps=maps, fit_missing=fit_missing, **settings)
-    s = prefill.settings
-    if lm.tokenizer is None and getattr(s, "query_sentence", 0) and getattr(s, "query_rows", 0):
+    needs_tok = any(
+        getattr(p.settings, "query_sentence", 0) and getattr(p.settings, "query_rows", 0) for p in prefill.variants
+    )
+    if lm.tokenizer is None and needs_tok:
         raise RidgefillError(f"{prefill.label} finds sentence ends with the tokenizer: patch(model, tokenizer=...)")
     state = PatchState(prefill, engine=Engine(lm))
     hf.wrap_forward(lm.model, lambda call: _answer(state, call), state)
@@ -116,11 +117,11 @@ def _answer(state: PatchState, call: hf.ForwardCall):
     n = int(ids.shape[-1])
     if ids.shape[0] != 1:
         raise RidgefillError(f"ridgefill.patch runs batch size 1; this prefill has batch {ids.shape[0]}")
-    if n <= state.threshold or not _plain_positions(call, n):
+    if n <= state.threshold(n) or not _plain_positions(call, n):
         state.stock += 1
         return None
     keep = call.logits_to_keep
-    s = state.prefill.settings
+    s = state.prefill.for_length(n).settings
     if not isinstance(keep, int) or s is not None and keep > s.tail:
         state.stock += 1  # logits asked for rows that would skip deep layers
         return None

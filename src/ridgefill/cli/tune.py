@@ -34,19 +34,29 @@ def _maps_for(lm, splits: list[int], args: argparse.Namespace) -> dict:
     return maps
 
 
+def per_length(samples: int, lengths: tuple[int, ...], length: int) -> int:
+    """Samples at `length`: fewer where a sample costs more (in proportion to the shortest length,
+    at least 2), so each length's search costs about the same."""
+    return max(2, round(samples * lengths[0] / length))
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
-    from dataclasses import asdict
+    from dataclasses import asdict, replace
 
     from tqdm.auto import tqdm
 
+    from ridgefill.errors import RidgefillError
     from ridgefill.fit.maps import calib_info
-    from ridgefill.results import command_line, write_json
+    from ridgefill.methods.tuned import length_bounds
+    from ridgefill.results import write_json
     from ridgefill.tune import report
-    from ridgefill.tune.bundle import tuned_path, write_bundle
     from ridgefill.tune.search import TuneConfig, run_search, tuning_set
     from ridgefill.tune.space import Space, grid
 
     lm = load(args)
+    lengths = tuple(sorted(set(ints(args.lengths)))) if args.lengths else (args.length or min(4096, lm.context_length),)
+    if any(n > lm.context_length for n in lengths):
+        raise RidgefillError(f"--lengths {args.lengths} go beyond {lm.name}'s context of {lm.context_length}")
     space = Space(
         ints(args.splits),
         ints(args.tails),
@@ -55,10 +65,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
         floats(args.sparse_keeps),
         query_sentence=args.query_sentence,
     )
-    cfg = TuneConfig(
+    base_cfg = TuneConfig(
         budget_niah=args.budget_niah,
         budget_ppl=args.budget_ppl,
-        length=args.length or min(4096, lm.context_length),
+        length=lengths[0],
         samples=args.samples,
         ppl_docs=args.ppl_docs,
         seed=args.seed,
@@ -66,71 +76,121 @@ def cmd_tune(args: argparse.Namespace) -> int:
         ppl_tail=min(256, *space.tails) if space.tails else 256,  # scored rows must run fully in every candidate
         ppl_upper=args.ppl_upper,
     )
-    cfg.check()
+    base_cfg.check()
     candidates = grid(space, lm.num_layers)
     maps = _maps_for(lm, sorted({c.settings.split for c in candidates}), args)
-    prompts, docs = tuning_set(lm, cfg, args.corpus)
-    total = len(docs) * (1 + len(candidates)) + len(prompts) * (1 + min(cfg.wave, len(candidates)))
-    print(
-        f"{lm.name}: {len(candidates)} configurations; tuning set {len(docs)} perplexity documents and "
-        f"{len(prompts)} NIAH prompts of {cfg.length} tokens (held-out split, seed {cfg.seed}); "
-        f"NIAH runs {cfg.wave} configurations at a time, fastest first, until one meets both budgets"
-    )
-    bar = tqdm(total=total, desc=f"tune {lm.name}", unit="run")
-
-    def progress(k: int, stage: str, remaining: int | None = None) -> None:
-        if remaining is not None:  # a new NIAH wave: what is left is now known
-            bar.total = bar.n + remaining
-        bar.set_postfix_str(stage, refresh=False)
-        bar.update(k)
-
+    cfgs = {
+        n: replace(
+            base_cfg,
+            length=n,
+            samples=per_length(args.samples, lengths, n),
+            ppl_docs=per_length(args.ppl_docs, lengths, n),
+        )
+        for n in lengths
+    }
+    sets = {n: tuning_set(lm, c, args.corpus) for n, c in cfgs.items()}
+    # Runs planned per length (NIAH waves may end a length sooner); the bar's time left is read off it.
+    planned = {
+        n: len(d) * (1 + len(candidates)) + len(p) * (1 + min(base_cfg.wave, len(candidates)))
+        for n, (p, d) in sets.items()
+    }
+    for n, (prompts, docs) in sets.items():
+        print(
+            f"{lm.name} at {n} tokens: {len(candidates)} configurations; tuning set {len(docs)} perplexity documents "
+            f"and {len(prompts)} NIAH prompts (held-out split, seed {base_cfg.seed})"
+        )
+    print(f"NIAH runs {base_cfg.wave} configurations at a time, fastest first, until one meets both budgets")
+    bar = tqdm(total=sum(planned.values()), desc=f"tune {lm.name}", unit="run")
     base = {
         "model": lm.name,
         "dtype": dtype_name(lm),
-        "config": asdict(cfg),
+        "lengths": list(lengths),
         "space": asdict(space),
         "maps_calib": {str(s): calib_info(m) for s, m in maps.items()},
     }
+    done: dict[str, dict] = {}
 
-    def checkpoint(partial: dict) -> None:  # what is measured so far, in case the search is cut short
+    def checkpoint(partial: dict, n: int) -> None:  # what is measured so far, in case the search is cut short
         if args.out:
-            write_json(args.out, {**base, **partial}, args.argv)
+            write_json(
+                args.out, {**base, "by_length": {**done, str(n): {"config": asdict(cfgs[n]), **partial}}}, args.argv
+            )
 
-    result = run_search(lm, cfg, candidates, maps, prompts, docs, progress, checkpoint)
+    for n, (prompts, docs) in sets.items():
+
+        def progress(k: int, stage: str, remaining: int | None = None, n: int = n) -> None:
+            if remaining is not None:  # a new NIAH wave: what is left of this length is now known
+                bar.total = bar.n + remaining + sum(v for m, v in planned.items() if m > n)
+            bar.set_postfix_str(f"{n} tokens: {stage}", refresh=False)
+            bar.update(k)
+
+        result = run_search(lm, cfgs[n], candidates, maps, prompts, docs, progress, lambda r, n=n: checkpoint(r, n))
+        done[str(n)] = {"config": asdict(cfgs[n]), **result}
+        print(f"\n{n} tokens:")
+        print(report.table(result, base_cfg.budget_niah, base_cfg.budget_ppl, base_cfg.ppl_upper))
+        print(f"search took {result['search_seconds']:.0f} s")
+        if args.plot:
+            title = f"{lm.name}: tuning frontier at {n} tokens"
+            path = args.plot if len(lengths) == 1 else args.plot.with_name(f"{args.plot.stem}_{n}{args.plot.suffix}")
+            print(f"plot written to {report.plot(result, path, title, base_cfg.budget_niah, base_cfg.budget_ppl)}")
     bar.close()
-    print(report.table(result, cfg.budget_niah, cfg.budget_ppl, cfg.ppl_upper))
-    print(f"search took {result['search_seconds']:.0f} s")
     if args.out:
-        write_json(args.out, {**base, **result}, args.argv)
+        write_json(args.out, {**base, "by_length": done}, args.argv)
         print(f"results written to {args.out}")
-    if args.plot:
-        title = f"{lm.name}: tuning frontier at {cfg.length} tokens"
-        print(f"plot written to {report.plot(result, args.plot, title, cfg.budget_niah, cfg.budget_ppl)}")
-    if result["chosen"] is None:
-        print(
-            f"no configuration met both budgets (NIAH loss <= {cfg.budget_niah:g} points, tail PPL <= "
-            f"+{cfg.budget_ppl:g}%); the table is the measured frontier. No bundle written."
+    return _write_tuned(lm, args, lengths, done, maps, base_cfg, length_bounds(list(lengths)))
+
+
+def _write_tuned(lm, args, lengths, done: dict, maps: dict, cfg, bounds) -> int:
+    """The tuned bundle: one bucket per tuned length (exact where nothing met both budgets)."""
+    from ridgefill.results import command_line
+    from ridgefill.tune.bundle import tuned_path, write_bundle
+
+    entries = []
+    for n, up_to in zip(lengths, bounds, strict=True):
+        result = done[str(n)]
+        if result["chosen"] is None:
+            print(
+                f"{n} tokens: no configuration met both budgets (NIAH loss <= {cfg.budget_niah:g} points, tail PPL "
+                f"<= +{cfg.budget_ppl:g}%); the table is the measured frontier, and this length runs exact"
+            )
+            entries.append({"up_to": up_to, "method": "exact", "settings": {}, "tuned_at": n})
+            continue
+        row = next(r for r in result["candidates"] if r["label"] == result["chosen"])
+        measured = ("speedup", "flop_bound", "niah_loss", "niah_samples", "ppl_increase_pct", "ppl_ci95")
+        entries.append(
+            {
+                "up_to": up_to,
+                "method": row["method"],
+                "settings": row["settings"],
+                "tuned_at": n,
+                "measured": {k: row[k] for k in measured},
+                "tuning_set": {"length": n, "seed": cfg.seed, "prompts": row["niah_samples"]},
+            }
         )
+        print(
+            f"{n} tokens: chosen {row['label']} ({row['speedup']:.2f}x TTFT, NIAH {row['niah_loss']:+.1f} points, "
+            f"tail PPL {row['ppl_increase_pct']:+.1f}% on the tuning set)"
+        )
+    fills = [e for e in entries if e["method"] != "exact"]
+    if not fills:
+        print("No bundle written.")
         return 1
-    row = next(r for r in result["candidates"] if r["label"] == result["chosen"])
     tuned = {
-        "method": row["method"],
-        "settings": row["settings"],
+        "by_length": entries,
         "budgets": {"niah_points": cfg.budget_niah, "ppl_pct": cfg.budget_ppl},
-        "measured": {
-            k: row[k] for k in ("speedup", "flop_bound", "niah_loss", "niah_samples", "ppl_increase_pct", "ppl_ci95")
-        },
-        "tuning_set": {"length": cfg.length, "seed": cfg.seed, "prompts": len(prompts), "ppl_docs": len(docs)},
         "command": command_line(args.argv),
     }
-    path = write_bundle(maps[row["settings"]["split"]], tuned, args.bundle or tuned_path(lm, args.maps))
+    if len(entries) == 1:  # one length: the configuration holds for every length
+        tuned = {**{k: v for k, v in entries[0].items() if k != "up_to"}, **tuned}
+        del tuned["by_length"]
+    split = fills[0]["settings"]["split"]
+    path = write_bundle(maps[split], tuned, args.bundle or tuned_path(lm, args.maps))
     print(
-        f"chosen: {row['label']} ({row['speedup']:.2f}x TTFT, NIAH {row['niah_loss']:+.1f} points, tail PPL "
-        f"{row['ppl_increase_pct']:+.1f}% on the tuning set) -> {path}\n"
+        f"tuned bundle -> {path}\n"
         f"check it on the evaluation split: ridgefill eval --model {lm.name} --methods tuned "
-        f"--tasks {','.join(cfg.tasks)} --lengths {cfg.length}"
+        f"--tasks {','.join(cfg.tasks)} --lengths {','.join(map(str, lengths))}"
     )
-    return 0
+    return 0 if len(fills) == len(entries) else 1
 
 
 def tune_args(p: argparse.ArgumentParser) -> None:
@@ -139,6 +199,11 @@ def tune_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-niah", type=float, default=2.0, help="most NIAH points lost to exact")
     p.add_argument("--budget-ppl", type=float, default=5.0, help="most tail-perplexity increase, percent")
     p.add_argument("--length", type=int, default=None, help="tuning prompt tokens (default: 4096 or the context)")
+    p.add_argument(
+        "--lengths",
+        default="",
+        help="tuning lengths, comma-separated: one configuration per length bucket (fewer samples at longer ones)",
+    )
     p.add_argument("--samples", type=int, default=6, help="NIAH tuning samples per task (4 tasks)")
     p.add_argument("--ppl-docs", type=int, default=4, help="held-out documents for tail perplexity")
     p.add_argument(

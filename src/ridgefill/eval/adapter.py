@@ -38,7 +38,10 @@ CACHE_SCHEMA = 2
 
 def spec_settings(spec: Prefill) -> dict:
     """A method's full settings as written in results files: its name, every settings field, and
-    the split and calibration (tokens, facts per segment, corpus) of the maps it reads."""
+    the split and calibration (tokens, facts per segment, corpus) of the maps it reads; per length
+    bucket for a configuration tuned per length."""
+    if spec.by_length:
+        return {"method": spec.label, "by_length": [{"up_to": u, **spec_settings(p)} for u, p in spec.by_length]}
     settings, maps = spec.settings, spec.maps
     out = {"method": spec.method, **(asdict(settings) if is_dataclass(settings) else {})}
     if maps is not None:
@@ -51,15 +54,20 @@ def config_key(lm: LoadedModel, spec: Prefill) -> str:
     """What a cached record was computed with: model weights, dtype, method, its settings and the
     header of the maps it read. A cache entry is reused only under the same key, so re-running with
     another split, tail, dtype or refitted maps recomputes instead of reusing stale records."""
-    settings, maps = spec.settings, spec.maps
-    what = {
-        "schema": CACHE_SCHEMA,
-        "model": fingerprint(lm)["weights_sha256"],
-        "dtype": str(lm.dtype),
-        "method": spec.method,
-        "settings": asdict(settings) if settings is not None else None,
-        "maps": None if maps is None else {"method": maps.method, "split": maps.split, "header": maps.header},
-    }
+
+    def computed(p: Prefill) -> dict:
+        maps = p.maps
+        return {
+            "method": p.method,
+            "settings": asdict(p.settings) if p.settings is not None else None,
+            "maps": None if maps is None else {"method": maps.method, "split": maps.split, "header": maps.header},
+        }
+
+    what = {"schema": CACHE_SCHEMA, "model": fingerprint(lm)["weights_sha256"], "dtype": str(lm.dtype)}
+    if spec.by_length:
+        what["by_length"] = [[up_to, computed(p)] for up_to, p in spec.by_length]
+    else:
+        what.update(computed(spec))
     return hashlib.sha1(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 

@@ -19,7 +19,8 @@ from ridgefill.methods import Prefill
 
 def shared_lower(engine: Engine, ids: torch.Tensor, specs: list[Prefill]) -> LowerState | None:
     """The layers every spec runs in full on this prompt, run once (None when only exact is there)."""
-    splits = [s.runs_fully_below for s in specs if s.runs_fully_below]
+    n = int(ids.shape[-1])
+    splits = [s.for_length(n).runs_fully_below for s in specs if s.for_length(n).runs_fully_below]
     return engine.run_lower(ids, min(splits)) if splits else None
 
 

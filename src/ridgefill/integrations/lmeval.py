@@ -109,7 +109,8 @@ class RidgefillLM(TemplateLM):
     def score(self, ids: list[int], start: int) -> tuple[float, bool]:
         """Sum of log p(ids[t] | ids[:t]) for t >= start, and whether every one was the argmax."""
         n = len(ids)
-        step = max(1, self.settings.tail - 1) if self.settings is not None else n
+        tails = [p.settings.tail for p in self.prefill.variants if p.settings is not None]
+        step = max(1, min(tails) - 1) if tails else n
         total, greedy = 0.0, True
         for a in range(max(1, start), n, step):
             b = min(n, a + step)  # targets ids[a:b], read from rows a-1 .. b-2 of the prefix ids[:b]

@@ -11,11 +11,8 @@ cached. What it is not: the methods themselves (methods/fill.py, methods/gate.py
 
 from __future__ import annotations
 
-import functools
-import json
 import logging
 from dataclasses import asdict, dataclass, fields, is_dataclass, replace
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +25,11 @@ from ridgefill.fit.maps import FillMaps, default_maps_dir, load_maps, maps_filen
 from ridgefill.methods.fill import FillSettings
 from ridgefill.methods.gate import GateSettings
 from ridgefill.methods.registry import METHODS, get_method
+from ridgefill.methods.tuned import TUNED, default_method, has_tuned, shipped_defaults, tuned_config, tuned_path
 from ridgefill.models.loading import LoadedModel
 
 log = logging.getLogger(__name__)
 
-TUNED = "tuned"
 Settings = FillSettings | GateSettings
 
 
@@ -45,12 +42,25 @@ class Prefill:
         method: the registry method that runs (`tuned` resolves to one).
         settings: the method's settings with every default resolved; None for exact.
         maps: the fitted maps it reads, or None.
+        by_length: for a configuration tuned per prompt length, ((up_to, prefill), ...) in
+            ascending `up_to` (the last None: any longer prompt); `run` picks by the prompt's
+            length, and method/settings/maps above are the first bucket's. Empty otherwise.
     """
 
     label: str
     method: str
     settings: Settings | None = None
     maps: FillMaps | None = None
+    by_length: tuple[tuple[int | None, Prefill], ...] = ()
+
+    def for_length(self, n: int) -> Prefill:
+        """The prefill that runs a prompt of `n` tokens."""
+        return next((p for up_to, p in self.by_length if up_to is None or n <= up_to), self)
+
+    @property
+    def variants(self) -> list[Prefill]:
+        """Every configuration this prefill may run: its length buckets, or itself."""
+        return [p for _, p in self.by_length] or [self]
 
     def run(
         self,
@@ -63,8 +73,9 @@ class Prefill:
     ) -> PrefillResult:
         """Prefill a (1, N) prompt. `logit_rows`: positions whose logits to return (default the
         last); `lower`: layers already run on this prompt; `cache`: an empty stock cache to fill."""
-        info = get_method(self.method)
-        return info.run(engine, input_ids, self.settings, self.maps, logit_rows=logit_rows, lower=lower, cache=cache)
+        me = self.for_length(int(input_ids.shape[-1]))
+        info = get_method(me.method)
+        return info.run(engine, input_ids, me.settings, me.maps, logit_rows=logit_rows, lower=lower, cache=cache)
 
     @property
     def split(self) -> int | None:
@@ -80,6 +91,10 @@ class Prefill:
 
     def describe(self) -> str:
         """One line: the method and the settings that matter, e.g. `ridge split 18, tail 512`."""
+        if self.by_length:
+            return "; ".join(
+                f"{'up to ' + str(up_to) if up_to else 'longer'}: {p.describe()}" for up_to, p in self.by_length
+            )
         s = self.settings
         if s is None:
             return self.method
@@ -145,62 +160,6 @@ def parse_method(spec: str) -> tuple[str, dict[str, Any]]:
             raise RidgefillError(f"bad method option {opt!r} in {spec!r}; use key=value")
         over[key] = _typed(name, cls, key, value)
     return name, over
-
-
-# ----- tuned configurations -----
-
-
-def tuned_path(lm: LoadedModel, folder: Path | None = None) -> Path:
-    """Where `ridgefill tune` writes a model's bundle by default: next to its fitted maps."""
-    return (Path(folder) if folder is not None else default_maps_dir(lm)) / f"{lm.name}.tuned.safetensors"
-
-
-@functools.cache
-def shipped_defaults() -> dict:
-    """Per embedded model, the configuration `ridgefill tune` chose, with its measured figures."""
-    return json.loads(resources.files("ridgefill").joinpath("data/tuned.json").read_text())["models"]
-
-
-def has_tuned(lm: LoadedModel, maps: Path | str | None = None) -> bool:
-    """Whether `tuned` resolves for this model: a bundle in the map folder, or a shipped default."""
-    where = Path(maps) if maps is not None else None
-    if where is not None and where.is_file():
-        return True
-    return tuned_path(lm, where).is_file() or lm.name in shipped_defaults()
-
-
-def default_method(lm: LoadedModel, maps: Path | str | None = None) -> str:
-    """`tuned` where the model has a tuned configuration, else `exact` (logged with how to tune)."""
-    if has_tuned(lm, maps):
-        return TUNED
-    log.warning("no tuned configuration for %s; prefilling exactly (`ridgefill tune --model ...` makes one)", lm.name)
-    return "exact"
-
-
-def _tuned(lm: LoadedModel, maps: FillMaps | Path | str | None) -> tuple[str, dict, FillMaps | Path | None]:
-    """(method, settings, maps or map folder) of `tuned`: a bundle file, the bundle in a folder
-    (default the model's cache folder), else the shipped default with maps from that folder."""
-    if isinstance(maps, FillMaps):
-        return _from_bundle(maps, "the given maps")
-    where = Path(maps) if maps is not None else None
-    if where is not None and not where.is_dir():
-        if not where.is_file():
-            raise MapError(f"no tuned bundle at {where}; run `ridgefill tune --model {lm.name}` first")
-        return _from_bundle(load_maps(where, lm), str(where))
-    bundle = tuned_path(lm, where)
-    if bundle.is_file():
-        return _from_bundle(load_maps(bundle, lm), str(bundle))
-    entry = shipped_defaults().get(lm.name)
-    if entry is None:
-        raise MapError(f"no tuned bundle at {bundle} and no shipped configuration for {lm.name}; run `ridgefill tune`")
-    return entry["method"], dict(entry["settings"]), where
-
-
-def _from_bundle(maps: FillMaps, where: str) -> tuple[str, dict, FillMaps]:
-    tuned = maps.header.get(TUNED)
-    if not isinstance(tuned, dict) or not isinstance(tuned.get("settings"), dict) or "method" not in tuned:
-        raise MapError(f"{where} is a map file without a tuned configuration; pass the bundle `ridgefill tune` wrote")
-    return tuned["method"], dict(tuned["settings"]), maps
 
 
 # ----- maps -----
@@ -293,9 +252,36 @@ def resolve_prefill(
     label = method if method is not None else default_method(lm, None if isinstance(maps, FillMaps) else maps)
     name, from_name = parse_method(label)
     values = {**_as_values(settings), **overrides, **from_name}
-    if name == TUNED:
-        name, tuned_values, maps = _tuned(lm, maps)
-        values = {**tuned_values, **values}
+    if name != TUNED:
+        return _resolve(lm, label, name, values, values, maps, fit_missing, corpus)
+    cfg = tuned_config(lm, maps)
+    known = {k: t for b in cfg.buckets for k, t in _field_types(get_method(b.method).settings or FillSettings).items()}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise RidgefillError(f"unknown setting {unknown[0]!r} for method 'tuned'; valid settings: {', '.join(known)}")
+    chosen = []
+    for b in cfg.buckets:
+        # The bundle carries its own split's maps; a bucket at another split reads the folder's.
+        own = cfg.maps is not None and b.settings.get("split") == cfg.maps.split
+        where = cfg.maps if own else cfg.folder
+        asked = applicable(b.method, values)  # a bucket takes the asked settings its method has
+        one = _resolve(lm, label, b.method, {**b.settings, **asked}, asked, where, fit_missing, corpus)
+        chosen.append((b.up_to, one))
+    first = chosen[0][1]
+    return first if len(chosen) == 1 else replace(first, by_length=tuple(chosen))
+
+
+def _resolve(
+    lm: LoadedModel,
+    label: str,
+    name: str,
+    values: dict[str, Any],
+    asked: dict[str, Any],
+    maps: FillMaps | Path | str | None,
+    fit_missing: bool,
+    corpus: str | None,
+) -> Prefill:
+    """One method with its settings `values` (`asked`: those the caller named) and maps."""
     info = get_method(name)
     check_values(name, info.settings, values)
     if info.settings is None:
@@ -309,7 +295,7 @@ def resolve_prefill(
         return Prefill(label, name, resolved)
     found = _maps_for(lm, info.maps, resolved.split, maps, fit_missing, corpus)
     if found.split != resolved.split:
-        if "split" in values:
+        if "split" in asked:
             raise MapError(
                 f"the {info.maps} maps given are for split {found.split}, not the split {resolved.split} asked"
             )

@@ -1,0 +1,131 @@
+"""The `tuned` method's configurations: what `ridgefill tune` chose, per model and prompt length.
+
+What it is: reading a tuned configuration from a bundle (`ridgefill tune` writes the chosen maps
+with the configuration in their header) or from the configurations shipped for the embedded
+models (data/tuned.json), as a list of length buckets: each bucket holds the method and settings
+for prompts up to `up_to` tokens (the last bucket: any longer prompt). A configuration chosen at
+one length is one bucket. Bucket bounds between tuned lengths sit at their geometric mean
+(`length_bounds`). What it is not: resolution into a runnable prefill (methods/resolve.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from ridgefill.errors import MapError
+from ridgefill.fit.maps import FillMaps, default_maps_dir, load_maps
+from ridgefill.models.loading import LoadedModel
+
+log = logging.getLogger(__name__)
+
+TUNED = "tuned"
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One tuned configuration: `method` with `settings` for prompts of at most `up_to` tokens
+    (None: no upper bound)."""
+
+    up_to: int | None
+    method: str
+    settings: dict
+
+
+@dataclass(frozen=True)
+class TunedConfig:
+    """A model's tuned buckets (ascending `up_to`, the last unbounded), the bundle's maps (None for
+    a shipped configuration) and the folder the other buckets' maps come from (None: the cache)."""
+
+    buckets: tuple[Bucket, ...]
+    maps: FillMaps | None
+    folder: Path | None
+    source: str
+
+
+def tuned_path(lm: LoadedModel, folder: Path | None = None) -> Path:
+    """Where `ridgefill tune` writes a model's bundle by default: next to its fitted maps."""
+    return (Path(folder) if folder is not None else default_maps_dir(lm)) / f"{lm.name}.tuned.safetensors"
+
+
+@functools.cache
+def shipped_defaults() -> dict:
+    """Per embedded model, the configuration `ridgefill tune` chose, with its measured figures."""
+    return json.loads(resources.files("ridgefill").joinpath("data/tuned.json").read_text())["models"]
+
+
+def has_tuned(lm: LoadedModel, maps: Path | str | None = None) -> bool:
+    """Whether `tuned` resolves for this model: a bundle in the map folder, or a shipped default."""
+    where = Path(maps) if maps is not None else None
+    if where is not None and where.is_file():
+        return True
+    return tuned_path(lm, where).is_file() or lm.name in shipped_defaults()
+
+
+def default_method(lm: LoadedModel, maps: Path | str | None = None) -> str:
+    """`tuned` where the model has a tuned configuration, else `exact` (logged with how to tune)."""
+    if has_tuned(lm, maps):
+        return TUNED
+    log.warning("no tuned configuration for %s; prefilling exactly (`ridgefill tune --model ...` makes one)", lm.name)
+    return "exact"
+
+
+def length_bounds(lengths: list[int]) -> list[int | None]:
+    """Upper bounds of the buckets for configurations tuned at ascending `lengths`: the geometric
+    mean of neighbours (4096, 8192, 16384 -> 5793, 11585, None)."""
+    return [round(math.sqrt(a * b)) for a, b in zip(lengths, lengths[1:], strict=False)] + [None]
+
+
+def buckets(entry: object, where: str) -> tuple[Bucket, ...]:
+    """The buckets of a tuned entry: `{"method", "settings", ...}` (one configuration for every
+    length) or `{"by_length": [{"up_to", "method", "settings", ...}, ...]}`; malformed -> MapError."""
+
+    def one(item: object, up_to: object) -> Bucket:
+        ok = isinstance(item, dict) and isinstance(item.get("method"), str) and isinstance(item.get("settings"), dict)
+        if not ok or not (up_to is None or isinstance(up_to, int) and not isinstance(up_to, bool) and up_to > 0):
+            raise MapError(f"{where}: a tuned configuration needs a method, settings and a positive up_to (or null)")
+        return Bucket(up_to, item["method"], dict(item["settings"]))
+
+    if not isinstance(entry, dict):
+        raise MapError(f"{where}: the tuned configuration is not an object")
+    if "by_length" not in entry:
+        return (one(entry, None),)
+    items = entry["by_length"]
+    if not isinstance(items, list) or not items:
+        raise MapError(f"{where}: by_length must be a non-empty list")
+    out = tuple(one(item, item.get("up_to") if isinstance(item, dict) else 0) for item in items)
+    bounds = [b.up_to for b in out]
+    if bounds[-1] is not None or None in bounds[:-1] or bounds[:-1] != sorted(set(bounds[:-1])):
+        raise MapError(f"{where}: by_length needs ascending up_to bounds, the last one null")
+    return out
+
+
+def tuned_config(lm: LoadedModel, maps: FillMaps | Path | str | None) -> TunedConfig:
+    """`tuned` for `lm`: a bundle (given as maps or a file), the bundle in a folder (default: the
+    model's cache folder), else the shipped configuration with maps from that folder."""
+    if isinstance(maps, FillMaps):
+        return _from_bundle(maps, "the given maps", None)
+    where = Path(maps) if maps is not None else None
+    if where is not None and not where.is_dir():
+        if not where.is_file():
+            raise MapError(f"no tuned bundle at {where}; run `ridgefill tune --model {lm.name}` first")
+        return _from_bundle(load_maps(where, lm), str(where), where.parent)
+    bundle = tuned_path(lm, where)
+    if bundle.is_file():
+        return _from_bundle(load_maps(bundle, lm), str(bundle), bundle.parent)
+    entry = shipped_defaults().get(lm.name)
+    if entry is None:
+        raise MapError(f"no tuned bundle at {bundle} and no shipped configuration for {lm.name}; run `ridgefill tune`")
+    return TunedConfig(buckets(entry, f"the shipped configuration of {lm.name}"), None, where, "shipped")
+
+
+def _from_bundle(maps: FillMaps, where: str, folder: Path | None) -> TunedConfig:
+    entry = maps.header.get(TUNED)
+    if entry is None:
+        raise MapError(f"{where} is a map file without a tuned configuration; pass the bundle `ridgefill tune` wrote")
+    return TunedConfig(buckets(entry, where), maps, folder, where)
