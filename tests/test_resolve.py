@@ -267,3 +267,41 @@ def test_tuned_refuses_settings_no_bucket_has(monkeypatch, tmp_path):
     with pytest.raises(RidgefillError, match="unknown setting 'splt' for method 'tuned'"):
         resolve_prefill(lm, "tuned", maps=tmp_path, splt=1)
     assert resolve_prefill(lm, "tuned", maps=tmp_path, split=0).settings.split == 0
+
+
+def test_given_maps_decide_the_default_and_a_settings_object_counts_what_differs(tmp_path):
+    from ridgefill.fit.maps import save_maps
+    from ridgefill.fit.ridge import FitConfig, fit_maps
+    from ridgefill.tune.bundle import write_bundle
+
+    lm = make_tiny("llama")
+    segs = [torch.randint(3, 250, (96,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(8)]
+    maps = {m.method: m for m in fit_maps(lm, segs[:6], segs[6:], FitConfig(splits=(1,), segment_tokens=96))[0]}
+    plain = save_maps(maps["kva"], tmp_path / "plain.kva.safetensors")
+    assert resolve_prefill(lm, maps=plain).method == "kva"  # a plain map file runs its own method
+    assert resolve_prefill(lm, maps=maps["ridge"]).method == "ridge"
+    gated = resolve_prefill(lm, "gated-ridge", settings=FillSettings(tail=16), maps=maps["ridge"])
+    assert (gated.settings.tail, gated.settings.query_rows, gated.settings.drop) == (16, 256, 0.5)
+    with pytest.raises(MapError, match="map file not found: .*typo.safetensors"):
+        resolve_prefill(lm, "ridge", maps=tmp_path / "typo.safetensors")
+    tuned_entry = {
+        "by_length": [
+            {"up_to": 64, "method": "exact", "settings": {}},
+            {"up_to": None, "method": "ridge", "settings": {"split": 1, "sink": 2, "tail": 8}},
+        ]
+    }
+    bundle = write_bundle(maps["ridge"], tuned_entry, tmp_path / "b.safetensors")
+    pre = resolve_prefill(lm, maps=bundle)
+    assert pre.label == "tuned" and pre.for_length(100).maps.split == 1 and pre.for_length(10).method == "exact"
+    with pytest.raises(MapError, match="do not include the maps' split 1"):
+        write_bundle(maps["ridge"], {"method": "ridge", "settings": {"split": 2}}, tmp_path / "c.safetensors")
+
+
+def test_patch_names_a_local_model_by_its_folder(tmp_path):
+    lm = make_tiny("llama")
+    lm.model.config.name_or_path = str(tmp_path / "checkpoints" / "my-llama")
+    ridgefill.patch(lm.model, method="identity", split=1, sink=2, tail=8)
+    try:
+        assert ridgefill.patch_state(lm.model).engine.lm.name == "my-llama"
+    finally:
+        ridgefill.unpatch(lm.model)

@@ -16,7 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ridgefill.generation import GenerationResult, encode_prompt, generate
-from ridgefill.methods import Prefill, default_method, resolve_prefill
+from ridgefill.methods import Prefill, resolve_prefill
 from ridgefill.methods.resolve import TUNED
 from ridgefill.models.device import cpu_model
 from ridgefill.models.loading import LoadedModel
@@ -91,8 +91,9 @@ def run_demo(lm: LoadedModel, target_tokens: int = 6000, maps=None, repeats: int
     has one, its maps fitted on first use), then time both prefills `repeats` times, alternating."""
     prompt = needle_prompt(lm, min(target_tokens, lm.context_length - 64))
     prefills = {"exact": resolve_prefill(lm, "exact")}
-    if default_method(lm, maps) == TUNED:
-        prefills[TUNED] = resolve_prefill(lm, TUNED, maps=maps)
+    default = resolve_prefill(lm, maps=maps)  # tuned where the model has it, its maps fitted on first use
+    if default.label == TUNED:
+        prefills[TUNED] = default
     answers = {label: generate(lm, prompt.input_ids, prefill=p, max_new_tokens=12) for label, p in prefills.items()}
     ttfts: dict[str, list[float]] = {label: [] for label in prefills}
     for _ in tqdm(range(repeats), desc="timing both prefills", unit="round"):

@@ -81,7 +81,8 @@ def patch(
     if isinstance(model, LoadedModel):
         lm = LoadedModel(model.model, tokenizer or model.tokenizer, name or model.name, model.parts)
     else:
-        label = name or getattr(model.config, "name_or_path", "") or "model"
+        # A folder or hub id names the model by its last part (as load_model does), never a path.
+        label = name or Path(getattr(model.config, "name_or_path", "") or "model").name or "model"
         lm = LoadedModel(model, tokenizer, label, hf.model_parts(model))
     if lm.tokenizer is None and fit_missing and method not in ("exact", "identity", "tokengate"):
         fit_missing = False  # fitting reads text, which needs the tokenizer: refuse missing maps instead

@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ridgefill.cli.common import command_settings, dtype_name, load
+from ridgefill.cli.common import dtype_name, load, setting_options
 from ridgefill.errors import RidgefillError
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from ridgefill.generation import generate
-    from ridgefill.methods import default_method, resolve_prefill
+    from ridgefill.methods import resolve_prefill
 
     prompt = args.prompt
     if args.prompt_file is not None:
@@ -21,8 +21,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not prompt.strip():
         raise RidgefillError("the prompt is empty: give --prompt and/or --prompt-file")
     lm = load(args)
-    spec = args.method or default_method(lm, args.maps)
-    pre = resolve_prefill(lm, spec, maps=args.maps, **command_settings(args, spec))
+    pre = resolve_prefill(lm, args.method, maps=args.maps, shared=setting_options(args))
     res = generate(
         lm,
         prompt,

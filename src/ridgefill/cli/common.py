@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ridgefill.errors import RidgefillError
 
-# Command options that are fill/gate settings: option name -> settings field.
+# Command options that are also settings fields of the fill and gate methods.
 SETTING_OPTIONS = ("split", "sink", "tail", "query_rows")
 
 
@@ -20,7 +20,7 @@ def model_args(p: argparse.ArgumentParser) -> None:
         "--dtype",
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16"],
-        help="compute dtype (auto: bf16 on CUDA and on CPUs with native bf16, else float32)",
+        help="compute dtype (auto: bf16 on CUDA and on CPUs with AMX, else float32)",
     )
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
 
@@ -73,32 +73,19 @@ def names(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
-def command_settings(args: argparse.Namespace, spec: str, **extra) -> dict:
-    """The command's own setting options that apply to method `spec`: those given, that its
-    settings class has. `tuned` keeps its tuned settings (name them in the spec to override)."""
-    from ridgefill.methods.resolve import applicable
-
-    return applicable(spec, {**{k: getattr(args, k, None) for k in SETTING_OPTIONS}, **extra})
-
-
 def setting_options(args: argparse.Namespace) -> dict:
-    """The command's setting options that were given (split, sink, tail, query_rows)."""
+    """The command's setting options that were given (split, sink, tail, query_rows): shared
+    settings for every method it names (`resolve_prefill(shared=...)`)."""
     return {k: getattr(args, k) for k in SETTING_OPTIONS if getattr(args, k, None) is not None}
 
 
 def method_prefill(lm, spec: str, args: argparse.Namespace, **extra):
     """A `Prefill` from `name[:key=value...]` (e.g. `ridge:query_rows=256:tail=512`) with the
     command's options (and `extra`) for settings the spec does not name; maps from `--maps`,
-    fitted on first use."""
+    fitted on first use on the default calibration text (never on the command's evaluation text)."""
     from ridgefill.methods import resolve_prefill
 
-    return resolve_prefill(
-        lm,
-        spec,
-        maps=getattr(args, "maps", None),
-        corpus=getattr(args, "corpus", None),
-        **command_settings(args, spec, **extra),
-    )
+    return resolve_prefill(lm, spec, maps=getattr(args, "maps", None), shared={**setting_options(args), **extra})
 
 
 def text_args(p: argparse.ArgumentParser, corpus_help: str) -> None:

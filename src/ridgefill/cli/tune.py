@@ -142,6 +142,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 def _write_tuned(lm, args, lengths, done: dict, maps: dict, cfg, bounds) -> int:
     """The tuned bundle: one bucket per tuned length (exact where nothing met both budgets)."""
+    from ridgefill.fit.maps import default_maps_dir
     from ridgefill.results import command_line
     from ridgefill.tune.bundle import tuned_path, write_bundle
 
@@ -178,6 +179,7 @@ def _write_tuned(lm, args, lengths, done: dict, maps: dict, cfg, bounds) -> int:
     tuned = {
         "by_length": entries,
         "budgets": {"niah_points": cfg.budget_niah, "ppl_pct": cfg.budget_ppl},
+        "maps_folder": str((args.maps or default_maps_dir(lm)).resolve()),
         "command": command_line(args.argv),
     }
     if len(entries) == 1:  # one length: the configuration holds for every length

@@ -18,6 +18,7 @@ from transformers import DynamicCache
 
 from ridgefill.errors import PromptError, RidgefillError
 from ridgefill.models import hf
+from ridgefill.models.device import synchronize
 from ridgefill.models.loading import LoadedModel
 from ridgefill.ops.attention import apply_rope, attend
 
@@ -107,11 +108,22 @@ class Engine:
     def __init__(self, lm: LoadedModel):
         self.lm = lm
         self.parts = lm.parts
-        self.dtype = lm.dtype
-        self.device = lm.device
         # Seconds spent inside attention calls since this engine was made; methods report the
         # difference across one prefill, so the bench can show attention-only time.
         self.attn_seconds = 0.0
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm.dtype  # read each time: a patched model may be moved or cast after patching
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm.device
+
+    def clock(self) -> float:
+        """`time.perf_counter()` once the device has finished its queued work (CUDA is async)."""
+        synchronize(self.device)
+        return time.perf_counter()
 
     # ----- pieces the fill methods reuse -----
 
@@ -219,12 +231,12 @@ class Engine:
         k_pos = pos
         if extra_kv is not None:
             k, v, k_pos = merge_by_position((k, v, pos), extra_kv)
-        t0 = time.perf_counter()
+        t0 = self.clock()
         if attention is not None and extra_kv is None and lp.sliding_window is None and len(pos) == int(pos[-1]) + 1:
             attn = attention(q, k, v, lp.scaling)
         else:
             attn = attend(q, k, v, pos, k_pos, lp.scaling, lp.sliding_window)
-        self.attn_seconds += time.perf_counter() - t0
+        self.attn_seconds += self.clock() - t0
         return self.finish_layer(layer_idx, h, attn), k, v, k_pos
 
     def logits(self, h_rows: torch.Tensor) -> torch.Tensor:
@@ -266,7 +278,7 @@ class Engine:
         since the layers it ran were dense (and a block-sparse `start` is never continued densely).
         """
         n = self.check_prompt(input_ids)
-        t0, a0 = time.perf_counter(), self.attn_seconds
+        t0, a0 = self.clock(), self.attn_seconds
         dense_start = start is not None and start.sparse is None
         if attention is None and dense_start and start.upto <= upto and torch.equal(start.input_ids, input_ids):
             h, kv, tables, begin = start.h, list(start.kv), start.tables, start.upto
@@ -278,7 +290,7 @@ class Engine:
         for i in range(begin, upto):
             h, k, v, _ = self.layer(i, h, pos, tables, attention=attention)
             kv.append((k, v))
-        seconds = before + time.perf_counter() - t0
+        seconds = before + self.clock() - t0
         return LowerState(input_ids, upto, h, kv, tables, seconds, attn_before + self.attn_seconds - a0)
 
     def cache_from(self, kv: list[tuple[torch.Tensor, torch.Tensor]], into: DynamicCache | None = None) -> DynamicCache:
@@ -312,10 +324,10 @@ class Engine:
         n = self.check_prompt(input_ids)
         rows = torch.tensor([n - 1], device=self.device) if logit_rows is None else logit_rows.to(self.device)
         st = self.run_lower(input_ids, self.parts.num_layers, start=lower)
-        t0 = time.perf_counter()
+        t0 = self.clock()
         cache = self.cache_from(st.kv, into=cache)
         logits = self.logits(st.h[0, rows])
-        seconds = st.seconds + time.perf_counter() - t0
+        seconds = st.seconds + self.clock() - t0
         return PrefillResult(cache, logits, rows, n, seconds, "exact", attn_seconds=st.attn_seconds)
 
 

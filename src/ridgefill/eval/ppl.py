@@ -31,7 +31,7 @@ def tail_rows(n: int, tail: int) -> torch.Tensor:
 
 def scored_nll(res: PrefillResult, ids: torch.Tensor) -> float:
     """Mean NLL (nats) of the tokens that `res`'s logit rows predict in the (1, N) prompt `ids`."""
-    return float(F.cross_entropy(res.logits, ids[0, res.logit_rows + 1]))
+    return float(F.cross_entropy(res.logits, ids[0].to(res.logits.device)[res.logit_rows + 1]))
 
 
 def increase_pct(nll: float, exact_nll: float) -> float:

@@ -35,7 +35,7 @@ def fingerprint(lm: LoadedModel) -> dict:
     h = hashlib.sha256()
     probes = [lm.parts.embed.weight[:64], lm.parts.layers[0].k_proj.weight, lm.parts.layers[-1].v_proj.weight]
     for t in probes:
-        h.update(t.detach().float().contiguous().numpy().tobytes())
+        h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
     return {
         "architecture": lm.parts.arch,
         "num_layers": lm.num_layers,
@@ -69,12 +69,14 @@ class FillMaps:
     def layers(self) -> list[int]:
         return sorted(self.weights)
 
-    def stacked(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """All deep layers side by side, for one fused GEMM: (d, L*out) weight and (L*out,) bias."""
-        if dtype not in self._stacked:
-            w = torch.cat([self.weights[i] for i in self.layers], dim=1)
-            self._stacked[dtype] = (w[:-1].to(dtype).contiguous(), w[-1].to(dtype).contiguous())
-        return self._stacked[dtype]
+    def stacked(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """All deep layers side by side, for one fused GEMM: (d, L*out) weight and (L*out,) bias,
+        in `dtype` on `device` (cached per pair)."""
+        key = (dtype, str(device))
+        if key not in self._stacked:
+            w = torch.cat([self.weights[i] for i in self.layers], dim=1).to(device)
+            self._stacked[key] = (w[:-1].to(dtype).contiguous(), w[-1].to(dtype).contiguous())
+        return self._stacked[key]
 
     def check_model(self, lm: LoadedModel) -> None:
         """Refuse maps fitted on another model, of the wrong shape, or not covering every deep layer."""

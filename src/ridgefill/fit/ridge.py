@@ -76,6 +76,7 @@ class _Stats:
     rows: int = 0
 
     def add(self, x: torch.Tensor, ys: dict[str, torch.Tensor], block: dict[str, int], normed: bool) -> None:
+        x, ys = x.cpu(), {m: y.cpu() for m, y in ys.items()}  # float64 statistics live on the CPU
         if "ridge" in ys:  # identity predicts every deep input as the split state (same space as Y)
             x_id = (rms_normed(x) if normed else x).double().repeat(1, ys["ridge"].shape[1] // x.shape[1])
             sq = ((ys["ridge"].double() - x_id) ** 2).sum(0).view(-1, x.shape[1]).sum(1)
@@ -116,7 +117,7 @@ def layer_inputs(engine: Engine, ids: torch.Tensor, upto: int | None = None) -> 
     h = engine.embed(ids)
     n = ids.shape[1]
     tables = engine.rope(n, h)
-    pos = torch.arange(n)
+    pos = torch.arange(n, device=h.device)
     states = [h]
     for i in range(engine.parts.num_layers if upto is None else upto):
         h, *_ = engine.layer(i, h, pos, tables)

@@ -116,7 +116,7 @@ class RidgefillLM(TemplateLM):
             b = min(n, a + step)  # targets ids[a:b], read from rows a-1 .. b-2 of the prefix ids[:b]
             x = torch.tensor([ids[:b]])
             res = self.prefill.run(self.engine, x, logit_rows=torch.arange(a - 1, b - 1))
-            target = x[0, a:b]
+            target = x[0, a:b].to(res.logits.device)
             logp = F.log_softmax(res.logits.float(), dim=-1)
             total += float(logp.gather(1, target[:, None]).sum())
             greedy &= bool((res.logits.argmax(-1) == target).all())

@@ -3,9 +3,9 @@
 What it is: the name -> `MethodInfo` table (the function, its settings class and the defaults that
 make it that method, the maps it reads) and `resolve_prefill`, which turns (model, method name,
 settings, maps) into a ready `Prefill`. The CLI, the Python API, the server, `patch`, the lm-eval
-adapter, eval, bench and the tuner all go through it. Each method takes an `Engine`, a (1, N)
-prompt and its checked settings and maps, and returns a `PrefillResult` whose cache the stock
-model decodes from.
+adapter, eval and bench go through it (the tuner, which builds its own candidates, calls
+`run_prefill`). Each method takes an `Engine`, a (1, N) prompt and its checked settings and maps,
+and returns a `PrefillResult` whose cache the stock model decodes from.
 """
 
 from __future__ import annotations

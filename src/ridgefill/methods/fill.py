@@ -13,7 +13,6 @@ the stock model reading the cache this fills.
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -145,7 +144,7 @@ def _bulk_kv(
         for i in deep:
             out[i] = engine.project_kv(i, parts.layers[i].input_norm(x), *rope(i))
         return out, (x if top < parts.num_layers else None)
-    w, b = maps.stacked(x.dtype)
+    w, b = maps.stacked(x.dtype, x.device)
     width = w.shape[1] // (parts.num_layers - split - 1)
     upto = (min(top, parts.num_layers - 1) - split) * width  # layers split+1..top (top's input only to resume)
     y = torch.addmm(b[:upto], x[0], w[:, :upto])  # (Nb, layers * out): the deep layers in one GEMM
@@ -202,7 +201,7 @@ def prefill_fill(
         res = engine.prefill_exact(input_ids, logit_rows, lower, cache)
         return res.as_exact(method, asdict(s), "nothing to fill (short prompt or split at the top)")
     st, pairs = run_lower(engine, input_ids, s.split, s.sparse_keep, s.block, lower)
-    t0, a0 = time.perf_counter(), engine.attn_seconds
+    t0, a0 = engine.clock(), engine.attn_seconds
     h, tables = st.h, st.tables
     cache = engine.cache_from(st.kv, into=cache)
     full = torch.zeros(n, dtype=torch.bool, device=h.device)
@@ -244,7 +243,7 @@ def prefill_fill(
         logits,
         rows,
         n,
-        st.seconds + time.perf_counter() - t0,
+        st.seconds + engine.clock() - t0,
         method,
         ran_exact=False,
         plan=plan,

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import json
-import time
 from dataclasses import asdict, dataclass
 from importlib import resources
 
@@ -130,7 +129,7 @@ def prefill_tokengate(
         res = engine.prefill_exact(input_ids, logit_rows, lower, cache)
         return res.as_exact("tokengate", ran, f"below the length gate ({min_length} tokens)")
     st, pairs = run_lower(engine, input_ids, g, s.sparse_keep, s.block, lower)
-    t0, a1 = time.perf_counter(), engine.attn_seconds
+    t0, a1 = engine.clock(), engine.attn_seconds
     cache = engine.cache_from(st.kv, into=cache)
     scores = token_scores(engine, g, st.h, st.tables, s.query_last)
     always = always_kept(n, s.sink, local, s.tail, engine.device)
@@ -146,7 +145,7 @@ def prefill_tokengate(
         logits,
         rows,
         n,
-        st.seconds + time.perf_counter() - t0,
+        st.seconds + engine.clock() - t0,
         "tokengate",
         ran_exact=False,
         plan=Plan(split=g, full=kpos, filled=0, fill="none", deep_keys=kpos, lower_pairs=pairs),

@@ -1,9 +1,9 @@
 """One way to name a prefill: (model, method, settings, maps) -> a ready `Prefill`.
 
 What it is: `resolve_prefill`, used by the CLI, the Python API, the server, `patch`, the lm-eval
-adapter, eval, bench and the tuner. It picks the default method (`tuned` where the model has a
-tuned configuration, else exact), reads `tuned` from a bundle `ridgefill tune` wrote or from the
-configuration shipped for an embedded model, checks every setting by name and type against the
+adapter, eval and bench. It picks the default method (`tuned` where the model has a tuned
+configuration, else exact), reads `tuned` (methods/tuned.py: length buckets from a bundle or the
+configuration shipped for an embedded model), checks every setting by name and type against the
 method's settings class (an unknown or ill-typed one is an error that lists the valid ones),
 resolves the split, and loads the maps the method reads, fitting them on first use when none are
 cached. What it is not: the methods themselves (methods/fill.py, methods/gate.py).
@@ -12,7 +12,7 @@ cached. What it is not: the methods themselves (methods/fill.py, methods/gate.py
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, fields, is_dataclass, replace
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from transformers import DynamicCache
 from ridgefill.engine import Engine, LowerState, PrefillResult
 from ridgefill.errors import MapError, RidgefillError
 from ridgefill.fit.maps import FillMaps, default_maps_dir, load_maps, maps_filename
-from ridgefill.methods.fill import FillSettings
+from ridgefill.methods.fill import FillSettings, default_split
 from ridgefill.methods.gate import GateSettings
 from ridgefill.methods.registry import METHODS, get_method
 from ridgefill.methods.tuned import TUNED, default_method, has_tuned, shipped_defaults, tuned_config, tuned_path
@@ -50,7 +50,7 @@ class Prefill:
     label: str
     method: str
     settings: Settings | None = None
-    maps: FillMaps | None = None
+    maps: FillMaps | None = field(default=None, compare=False)
     by_length: tuple[tuple[int | None, Prefill], ...] = ()
 
     def for_length(self, n: int) -> Prefill:
@@ -174,6 +174,8 @@ def _maps_for(
         found = maps
     elif maps is not None and Path(maps).is_file():
         found = load_maps(maps, lm)
+    elif maps is not None and not Path(maps).exists() and Path(maps).suffix:
+        raise MapError(f"map file not found: {maps}")
     else:
         folder = Path(maps) if maps is not None else default_maps_dir(lm)
         path = folder / maps_filename(lm.name, kind, split)
@@ -217,8 +219,8 @@ def applicable(spec: str, values: dict[str, Any]) -> dict[str, Any]:
 def _as_values(settings: Settings | dict | None) -> dict[str, Any]:
     if settings is None:
         return {}
-    if is_dataclass(settings):
-        return asdict(settings)
+    if is_dataclass(settings):  # only what differs from the class defaults counts as asked
+        return {f.name: getattr(settings, f.name) for f in fields(settings) if getattr(settings, f.name) != f.default}
     if isinstance(settings, dict):
         return dict(settings)
     raise RidgefillError(f"settings must be a settings object or a dict, not {type(settings).__name__}")
@@ -232,15 +234,20 @@ def resolve_prefill(
     maps: FillMaps | Path | str | None = None,
     fit_missing: bool = True,
     corpus: str | None = None,
+    shared: dict[str, Any] | None = None,
     **overrides: Any,
 ) -> Prefill:
     """Turn a method name and its settings into a ready `Prefill` for `lm`.
 
     Args:
         method: a method name, optionally with settings (`ridge:query_rows=256:tail=512`), or
-            `tuned`; None picks `default_method`.
-        settings: a settings object or dict; `overrides` (keyword settings such as `split=12`)
-            and the name's own `key=value` settings win over it, in that order.
+            `tuned`; None: `tuned` where the model has a tuned configuration (or the given maps
+            are a tuned bundle), the given maps' own method, else exact.
+        settings: a settings object (the fields that differ from its defaults) or dict;
+            `overrides` (keyword settings such as `split=12`) and the name's own `key=value`
+            settings win over it, in that order.
+        shared: settings meant for several methods at once (a command's `--tail`): applied under
+            all the others where this method has them; `tuned` keeps its own (logged).
         maps: fitted maps, a map file (its split wins), a tuned bundle, or a folder (default: the
             model's cache folder).
         fit_missing: fit missing maps into the folder on first use (else refuse).
@@ -249,9 +256,19 @@ def resolve_prefill(
         RidgefillError: an unknown method or setting, a value of the wrong type or out of range,
             maps that are missing, corrupt or for another model.
     """
-    label = method if method is not None else default_method(lm, None if isinstance(maps, FillMaps) else maps)
+    if maps is not None and not isinstance(maps, FillMaps) and Path(maps).is_file():
+        maps = load_maps(maps, lm)  # once: a map file decides the default method too
+    if method is not None:
+        label = method
+    elif isinstance(maps, FillMaps):  # given maps: a tuned bundle runs tuned, plain maps their own method
+        label = TUNED if TUNED in maps.header else maps.method
+    else:
+        label = default_method(lm, maps)
     name, from_name = parse_method(label)
-    values = {**_as_values(settings), **overrides, **from_name}
+    given = {k: v for k, v in (shared or {}).items() if v is not None}
+    if name == TUNED and given:
+        log.warning("tuned keeps its tuned settings; not applying %s (name them as tuned:key=value)", given)
+    values = {**applicable(name, given), **_as_values(settings), **overrides, **from_name}
     if name != TUNED:
         return _resolve(lm, label, name, values, values, maps, fit_missing, corpus)
     cfg = tuned_config(lm, maps)
@@ -262,7 +279,9 @@ def resolve_prefill(
     chosen = []
     for b in cfg.buckets:
         # The bundle carries its own split's maps; a bucket at another split reads the folder's.
-        own = cfg.maps is not None and b.settings.get("split") == cfg.maps.split
+        split = {**b.settings, **values}.get("split")
+        split = default_split(lm.num_layers) if split is None else split
+        own = cfg.maps is not None and split == cfg.maps.split and get_method(b.method).maps == cfg.maps.method
         where = cfg.maps if own else cfg.folder
         asked = applicable(b.method, values)  # a bucket takes the asked settings its method has
         one = _resolve(lm, label, b.method, {**b.settings, **asked}, asked, where, fit_missing, corpus)
@@ -295,7 +314,7 @@ def _resolve(
         return Prefill(label, name, resolved)
     found = _maps_for(lm, info.maps, resolved.split, maps, fit_missing, corpus)
     if found.split != resolved.split:
-        if "split" in asked:
+        if asked.get("split") is not None:
             raise MapError(
                 f"the {info.maps} maps given are for split {found.split}, not the split {resolved.split} asked"
             )

@@ -60,19 +60,24 @@ def shipped_defaults() -> dict:
 
 
 def has_tuned(lm: LoadedModel, maps: Path | str | None = None) -> bool:
-    """Whether `tuned` resolves for this model: a bundle in the map folder, or a shipped default."""
+    """Whether `tuned` resolves for this model: a bundle in the map folder (`maps`, default the
+    cache folder), or a shipped default."""
     where = Path(maps) if maps is not None else None
-    if where is not None and where.is_file():
-        return True
     return tuned_path(lm, where).is_file() or lm.name in shipped_defaults()
 
 
 def default_method(lm: LoadedModel, maps: Path | str | None = None) -> str:
-    """`tuned` where the model has a tuned configuration, else `exact` (logged with how to tune)."""
+    """`tuned` where the model has a tuned configuration, else `exact` (logged once per model, with
+    how to tune)."""
     if has_tuned(lm, maps):
         return TUNED
-    log.warning("no tuned configuration for %s; prefilling exactly (`ridgefill tune --model ...` makes one)", lm.name)
+    _say_untuned(lm.name)
     return "exact"
+
+
+@functools.cache
+def _say_untuned(name: str) -> None:
+    log.warning("no tuned configuration for %s; prefilling exactly (`ridgefill tune --model ...` makes one)", name)
 
 
 def length_bounds(lengths: list[int]) -> list[int | None]:
@@ -128,4 +133,7 @@ def _from_bundle(maps: FillMaps, where: str, folder: Path | None) -> TunedConfig
     entry = maps.header.get(TUNED)
     if entry is None:
         raise MapError(f"{where} is a map file without a tuned configuration; pass the bundle `ridgefill tune` wrote")
+    recorded = entry.get("maps_folder") if isinstance(entry, dict) else None
+    if isinstance(recorded, str) and Path(recorded).is_dir():
+        folder = Path(recorded)  # where the tuner found the other splits' maps
     return TunedConfig(buckets(entry, where), maps, folder, where)

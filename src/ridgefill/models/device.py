@@ -58,6 +58,8 @@ def pick_device(device: str = "auto") -> torch.device:
         raise RidgefillError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RidgefillError(f"device {device!r} asked for, but torch sees no CUDA device here")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise RidgefillError(f"device {device!r} asked for, but torch sees {torch.cuda.device_count()} CUDA device(s)")
     if dev.type not in ("cpu", "cuda"):
         raise RidgefillError(f"device {device!r} is not supported; use auto, cpu, cuda or cuda:N")
     return dev

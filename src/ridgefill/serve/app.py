@@ -42,8 +42,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ridgefill.errors import RidgefillError
-from ridgefill.methods import METHODS, Prefill, default_method, resolve_prefill
-from ridgefill.methods.resolve import TUNED, applicable
+from ridgefill.methods import METHODS, Prefill, resolve_prefill
+from ridgefill.methods.resolve import TUNED
 from ridgefill.models.loading import LoadedModel
 from ridgefill.serve.guard import Guard, Security
 from ridgefill.serve.metrics import Metrics
@@ -89,14 +89,14 @@ class ServeConfig:
         apply to every method that has them, except `tuned`; `maps` is a map file, a tuned bundle
         or a folder (default: the model's cache folder).
         """
-        settings = settings or {}
-        default = method or default_method(lm, maps)
-        methods = {default: resolve_prefill(lm, default, maps=maps, **applicable(default, settings))}
+        first = resolve_prefill(lm, method, maps=maps, shared=settings)
+        default = method or first.label
+        methods = {default: first}
         for name in (*METHODS, TUNED):
             if name in methods:
                 continue
             try:
-                methods[name] = resolve_prefill(lm, name, maps=maps, fit_missing=False, **applicable(name, settings))
+                methods[name] = resolve_prefill(lm, name, maps=maps, fit_missing=False, shared=settings)
             except RidgefillError as e:
                 log.warning("serving without %s: %s", name, e)
         return cls(lm, methods, default, max_queue)

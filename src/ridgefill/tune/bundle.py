@@ -13,13 +13,18 @@ from pathlib import Path
 
 from ridgefill.errors import MapError
 from ridgefill.fit.maps import FillMaps, save_maps
-from ridgefill.methods.resolve import shipped_defaults, tuned_path
+from ridgefill.methods.registry import get_method
+from ridgefill.methods.tuned import buckets, shipped_defaults, tuned_path
 
 __all__ = ["shipped_defaults", "tuned_path", "write_bundle"]
 
 
 def write_bundle(maps: FillMaps, tuned: dict, path: Path) -> Path:
-    """Save `maps` with `tuned` (needs `method` and `settings`) added to the header."""
-    if tuned.get("settings", {}).get("split") != maps.split:
-        raise MapError(f"the tuned split {tuned.get('settings', {}).get('split')} is not the maps' split {maps.split}")
+    """Save `maps` with `tuned` added to the header: one configuration (`method`, `settings`) or
+    length buckets (`by_length`, methods/tuned.py), one of which must read these maps' split.
+    Buckets at other splits read the maps in `tuned["maps_folder"]` (the tuner records it)."""
+    entries = [e for e in buckets(tuned, str(path)) if get_method(e.method).maps == maps.method]
+    if not any(e.settings.get("split") == maps.split for e in entries):
+        splits = sorted({e.settings.get("split") for e in entries}, key=str)
+        raise MapError(f"the tuned split(s) {splits} do not include the maps' split {maps.split}")
     return save_maps(FillMaps(maps.method, maps.split, maps.weights, {**maps.header, "tuned": tuned}), path)
