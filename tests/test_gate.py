@@ -249,3 +249,44 @@ def test_a_shared_block_sparse_lower_pass_gives_the_same_fill(tiny):
     assert dense is not shared and dense.sparse is None
     if tiny.parts.layers[0].sliding_window is None:  # block-sparse applies to full-attention layers
         assert not torch.equal(dense.h, shared.h)
+
+
+class _EveryTenthEndsASentence:
+    """A tokenizer stand-in for the tiny models: ids divisible by 10 decode to a full stop."""
+
+    def __len__(self) -> int:
+        return 256
+
+    def batch_decode(self, ids):
+        return ["." if i[0] % 10 == 0 else "x" for i in ids]
+
+
+def test_sentence_gate_keeps_whole_sentences_and_runs_them_fully(tiny):
+    """With `sentence`, the gate keeps the sentence around each best-scoring token whole; kept rows
+    run every layer (their last-row logits equal attending to exactly those rows); keep-all is exact."""
+    from dataclasses import replace
+
+    from ridgefill.methods.select import sentence_around, sentence_ends, token_scores
+
+    lm = replace(tiny, tokenizer=_EveryTenthEndsASentence())
+    n = 96
+    ids = _ids(n)
+    ids[0, ::7] = 30  # a sentence end every 7 tokens
+    eng = Engine(lm)
+    s = _gate(keep=0.4, sentence=8, window=2, query_last=8)
+    res = run_prefill(eng, ids, "tokengate", settings=s)
+    kept = set(res.plan.full.tolist())
+    assert not res.ran_exact and len(kept) < n
+    st = eng.run_lower(ids, 1)
+    scores = token_scores(eng, 1, st.h, st.tables, 8)
+    always = set(range(2)) | set(range(n - 8, n))
+    best = max((p for p in range(n) if p not in always), key=lambda p: float(scores[p]))
+    lo, hi = sentence_around(sentence_ends(eng, ids), best, 8)
+    assert set(range(lo, hi)) - always <= kept  # the best token's whole sentence survives
+    with torch.inference_mode():
+        ref = _reference_step(eng, ids, res.plan.full[:-1], 1)  # the last row is always kept
+    torch.testing.assert_close(res.logits, ref, atol=1e-4, rtol=0)
+    everything = run_prefill(eng, ids, "tokengate", settings=replace(s, keep=1.0))
+    _assert_same(everything, eng.prefill_exact(ids), tiny.num_layers)
+    with pytest.raises(RidgefillError, match="sentence must be >= 0"):
+        run_prefill(eng, ids, "tokengate", settings=replace(s, sentence=-1))

@@ -33,7 +33,7 @@ from transformers import DynamicCache
 from ridgefill.engine import Engine, LowerState, Plan, PrefillResult
 from ridgefill.errors import RidgefillError
 from ridgefill.methods.lower import check_fraction, run_lower, sliding_rows
-from ridgefill.methods.select import token_scores, top_blocks
+from ridgefill.methods.select import pick_spans, sentence_ends, token_scores, top_blocks
 from ridgefill.models import hf
 
 
@@ -52,6 +52,12 @@ class GateSettings:
         sparse_keep: fraction in (0, 1] of causal key blocks the layers below the gate attend to
             (1: dense attention there).
         min_length: prompts shorter than this run exact (None: the model's measured threshold).
+        sentence: 0 keeps whole blocks of `block` tokens, the best-scoring first. Above 0 the gate
+            keeps sentences instead: around each of the best-scoring tokens, a span of `window`
+            tokens widened to the sentence holding it (at most this many tokens either side; see
+            methods/select.py `pick_spans`), best first, until the keep budget is spent. A
+            sentence (a needle) then survives whole however the blocks fall.
+        window: tokens of a span around each peak, with `sentence`.
     """
 
     gate_layer: int | None = None
@@ -63,6 +69,8 @@ class GateSettings:
     query_last: int = 64
     sparse_keep: float = 1.0
     min_length: int | None = None
+    sentence: int = 0
+    window: int = 16
 
     @property
     def dense_below(self) -> int | None:
@@ -80,6 +88,8 @@ class GateSettings:
         check_fraction("sparse_keep", self.sparse_keep)
         if self.block < 1 or self.sink < 0 or self.local < 0 or self.tail < 1 or self.query_last < 1:
             raise RidgefillError("block, tail and query_last must be >= 1; sink and local >= 0")
+        if self.sentence < 0 or self.window < 1:
+            raise RidgefillError("sentence must be >= 0 and window >= 1")
 
 
 @functools.cache
@@ -133,7 +143,12 @@ def prefill_tokengate(
     cache = engine.cache_from(st.kv, into=cache)
     scores = token_scores(engine, g, st.h, st.tables, s.query_last)
     always = always_kept(n, s.sink, local, s.tail, engine.device)
-    kept = always | top_blocks(scores, ~always, max(0, int(s.keep * n) - int(always.sum())), s.block)
+    budget = max(0, int(s.keep * n) - int(always.sum()))
+    if s.sentence:
+        ends = sentence_ends(engine, input_ids)
+        kept = always | pick_spans(scores, ~always, budget, s.window, ends, s.sentence)
+    else:
+        kept = always | top_blocks(scores, ~always, budget, s.block)
     kpos = kept.nonzero().squeeze(1)
     h = st.h[:, kpos]
     for i in range(g, parts.num_layers):
