@@ -128,7 +128,7 @@ def test_search_pairs_against_exact_and_bundle_round_trips(smollm2, smollm2_maps
     path = write_bundle(maps[15], {"method": "ridge", "settings": full["settings"]}, tmp_path / "b.safetensors")
     pre = resolve_prefill(smollm2, "tuned", maps=path)
     assert pre.method == "ridge" and pre.settings == FillSettings(**full["settings"])
-    with pytest.raises(MapError, match="not the maps' split"):
+    with pytest.raises(MapError, match="do not include the maps' split 15"):
         write_bundle(maps[15], {"method": "ridge", "settings": {"split": 10}}, tmp_path / "c.safetensors")
     with pytest.raises(MapError, match="without a tuned configuration"):
         resolve_prefill(smollm2, "tuned", maps=smollm2_maps / "smollm2-135m.ridge.s15.safetensors")
