@@ -56,12 +56,13 @@ EXAMPLES = {
       --out results/eval.json --plots results/eval_plots
   ridgefill eval --domain prose --lengths 4096 --samples 20 --methods tuned --ppl-docs 8 --out eval_prose.json""",
     "ablation": """examples:
-  ridgefill experimental ablation results/eval_smollm2-135m_4k.json results/eval_query_rows.json \\
-      --bench results/bench_smollm2-135m.json --out results/ablation_smollm2-135m_4k.json""",
+  ridgefill experimental ablation results/smollm2-135m/eval_smollm2-135m_4k.json \\
+      results/smollm2-135m/eval_smollm2-135m_4k_q512.json --bench results/smollm2-135m/bench_smollm2-135m.json \\
+      --out ablation.json""",
     "needles": """examples:
   ridgefill experimental needles --methods ridge:query_rows=512 --split 15 --samples 10
   ridgefill experimental needles --methods ridge:query_rows=512 --split 15 --samples 50 \\
-      --scores results/eval_smollm2-135m_4k.samples.jsonl --out results/needles_smollm2-135m_4k_q512.json""",
+      --scores results/samples/eval_smollm2-135m_4k.samples.jsonl --out needles_q512.json""",
     "tune": """examples:
   ridgefill tune --model smollm2-135m --budget-niah 2 --budget-ppl 5
   ridgefill tune --model qwen2.5-0.5b --splits 8,10,12 --out results/tune_qwen.json --plot results/tune_qwen.png
