@@ -66,7 +66,7 @@ class DemoReport:
     def lines(self) -> list[str]:
         p, lm = self.prompt, self.lm
         out = [
-            f"{lm.name} ({str(lm.dtype).removeprefix('torch.')} on {lm.device}, {cpu_model()}): "
+            f"{lm.name} ({lm.dtype_name} on {lm.device}, {cpu_model()}): "
             f"the magic number for {p.key!r} is {p.answer}, hidden at {p.depth:.0%} depth of a "
             f"{p.input_ids.shape[1]}-token prompt"
         ]

@@ -18,7 +18,6 @@ from ridgefill.engine import Engine, LowerState, PrefillResult
 from ridgefill.errors import PromptError, RidgefillError
 from ridgefill.methods import Prefill, resolve_prefill
 from ridgefill.models import hf
-from ridgefill.models.device import synchronize
 from ridgefill.models.loading import LoadedModel
 
 
@@ -206,11 +205,10 @@ def generate_batch(
     engine = Engine(lm)
     pres, firsts, ttfts = [], [], []
     for prefill in runs:
-        synchronize(lm.device)
-        t0 = time.perf_counter()
+        t0 = engine.clock()
         pre = prefill.run(engine, ids, lower=lower)
         firsts.append(int(pre.logits[-1].float().argmax()))
-        ttfts.append(time.perf_counter() - t0)
+        ttfts.append(engine.clock() - t0)
         pres.append(pre)
     groups: dict[tuple, list[int]] = {}
     for i, pre in enumerate(pres):
@@ -259,15 +257,13 @@ def generate(
     n = int(ids.shape[1])
     _check_room(lm, n, max_new_tokens)
     engine = Engine(lm)
-    synchronize(lm.device)
-    t0 = time.perf_counter()
+    t0 = engine.clock()
     pre = prefill.run(engine, ids)
     out: list[int] = []
     ttft = 0.0
     for tok in stream_tokens(lm, ids, pre, max_new_tokens, temperature, top_p, seed):
         if not out:
-            synchronize(lm.device)
-            ttft = time.perf_counter() - t0
+            ttft = engine.clock() - t0
         out.append(tok)
     total = time.perf_counter() - t0
     text = lm.tokenizer.decode(out, skip_special_tokens=True)

@@ -84,13 +84,9 @@ def patch(
         # A folder or hub id names the model by its last part (as load_model does), never a path.
         label = name or Path(getattr(model.config, "name_or_path", "") or "model").name or "model"
         lm = LoadedModel(model, tokenizer, label, hf.model_parts(model))
-    if lm.tokenizer is None and fit_missing and method not in ("exact", "identity", "tokengate"):
-        fit_missing = False  # fitting reads text, which needs the tokenizer: refuse missing maps instead
-    prefill = resolve_prefill(lm, method, maps=maps, fit_missing=fit_missing, **settings)
-    needs_tok = any(
-        getattr(p.settings, "query_sentence", 0) and getattr(p.settings, "query_rows", 0) for p in prefill.variants
-    )
-    if lm.tokenizer is None and needs_tok:
+    # Fitting reads text, which needs the tokenizer: without one, missing maps are refused instead.
+    prefill = resolve_prefill(lm, method, maps=maps, fit_missing=fit_missing and lm.tokenizer is not None, **settings)
+    if lm.tokenizer is None and any(p.settings is not None and p.settings.reads_sentences for p in prefill.variants):
         raise RidgefillError(f"{prefill.label} finds sentence ends with the tokenizer: patch(model, tokenizer=...)")
     state = PatchState(prefill, engine=Engine(lm))
     hf.wrap_forward(lm.model, lambda call: _answer(state, call), state)

@@ -11,7 +11,6 @@ What it is not: an accuracy measurement; `ridgefill ppl` and `ridgefill eval` gi
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +21,6 @@ from ridgefill.bench.memory import PeakRSS
 from ridgefill.engine import Engine, Plan
 from ridgefill.errors import RidgefillError, check_lengths
 from ridgefill.methods import Prefill
-from ridgefill.models.device import synchronize
 from ridgefill.models.loading import LoadedModel
 
 
@@ -67,11 +65,9 @@ def run_bench(lm: LoadedModel, cfg: BenchConfig, prompts: dict[int, list[int]], 
             x = ids if rep >= cfg.warmup or cfg.warmup_length is None else ids[:, : cfg.warmup_length]
             for spec in order:
                 with PeakRSS() as mem:
-                    synchronize(lm.device)
-                    t0 = time.perf_counter()
+                    t0 = engine.clock()
                     res = spec.run(engine, x)
-                    synchronize(lm.device)
-                    seconds = time.perf_counter() - t0
+                    seconds = engine.clock() - t0
                 if rep >= cfg.warmup:
                     plans[spec.label] = None if res.ran_exact else res.plan
                     times[spec.label].append(seconds)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ridgefill.cli.common import dtype_name, load, setting_options
+from ridgefill.cli.common import load, setting_options
 from ridgefill.errors import RidgefillError
 
 
@@ -36,7 +36,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     fell_back = f", ran exact: {res.prefill.reason}" if res.prefill.ran_exact and pre.settings else ""
     print(
         f"\n[{pre.label}: {pre.for_length(res.prompt_tokens).describe()}{fell_back}; "
-        f"{lm.name} {dtype_name(lm)} on {lm.device}] prompt {res.prompt_tokens} tokens, TTFT {res.ttft_s:.3f} s, "
+        f"{lm.name} {lm.dtype_name} on {lm.device}] prompt {res.prompt_tokens} tokens, TTFT {res.ttft_s:.3f} s, "
         f"prefill {res.prefill.tokens_per_s:,.0f} tok/s, {len(res.token_ids)} tokens generated",
         file=sys.stderr,
     )

@@ -51,10 +51,6 @@ def load(args: argparse.Namespace):
     return load_model(args.model, dtype=args.dtype, device=args.device)
 
 
-def dtype_name(lm) -> str:
-    return str(lm.dtype).removeprefix("torch.")
-
-
 def ints(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(",") if x.strip())

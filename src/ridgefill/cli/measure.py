@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from ridgefill.cli.common import dtype_name, eval_corpus, eval_tokens, ints, load, method_prefill, names
+from ridgefill.cli.common import eval_corpus, eval_tokens, ints, load, method_prefill, names
 from ridgefill.errors import RidgefillError, check_lengths
 
 
@@ -14,6 +14,11 @@ def scored_tail(args: argparse.Namespace) -> int:
     from ridgefill.methods import FillSettings
 
     return args.tail if args.tail is not None else FillSettings.tail
+
+
+def _named_text(rows: list[dict], corpus) -> list[dict]:
+    """Score rows, each naming the text it was measured on (its domain and corpus id)."""
+    return [{**r, "domain": corpus.domain, "corpus": corpus.id} for r in rows]
 
 
 def cmd_fit(args: argparse.Namespace) -> int:
@@ -58,7 +63,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     prompts = {n: eval_tokens(lm, corpus, n, 1)[0] for n in cfg.lengths}
     rows = run_bench(lm, cfg, prompts, specs)
     print(
-        f"{lm.name} ({dtype_name(lm)} on {lm.device}), "
+        f"{lm.name} ({lm.dtype_name} on {lm.device}), "
         f"{cfg.warmup} warm-up{f' ({cfg.warmup_length} tokens)' if cfg.warmup_length else ''}, {cfg.repeats} repeats, "
         f"prompts from {corpus.describe()}"
     )
@@ -75,7 +80,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             f"{r['speedup_min']:5.2f}-{r['speedup_max']:<5.2f}  {r['flop_bound']:9.2f}x {r['fraction_of_bound']:7.0%} "
             f"{r['attn_median_s']:8.3f} {r['attn_speedup'] or 0:6.2f}x {r['tokens_per_s']:8.0f} {r['peak_mem_mb']:9.0f}"
         )
-    if dtype_name(lm) == "float32" and lm.device.type == "cpu" and cpu_amx():
+    if lm.dtype_name == "float32" and lm.device.type == "cpu" and cpu_amx():
         print("note: this CPU has AMX; `--dtype bfloat16` is likely the faster exact baseline")
     if args.out:
         config = {
@@ -86,7 +91,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             "method_settings": {s.label: spec_settings(s) for s in specs},
             "corpus": corpus_info(corpus),
         }
-        write_json(args.out, {"model": lm.name, "dtype": dtype_name(lm), "config": config, "results": rows}, args.argv)
+        write_json(args.out, {"model": lm.name, "dtype": lm.dtype_name, "config": config, "results": rows}, args.argv)
     return 0
 
 
@@ -113,9 +118,9 @@ def cmd_ppl(args: argparse.Namespace) -> int:
             label = m if fixed else f"{m}@{spec.split}"
             if label not in {s.label for s in specs}:
                 specs.append(replace(spec, label=label))
-    rows = [{**r, "domain": corpus.domain, "corpus": corpus.id} for r in tail_ppl(Engine(lm), docs, specs, tail)]
+    rows = _named_text(tail_ppl(Engine(lm), docs, specs, tail), corpus)
     print(
-        f"{lm.name} ({dtype_name(lm)}): tail perplexity of the last {tail} tokens, {len(docs)} evaluation documents "
+        f"{lm.name} ({lm.dtype_name}): tail perplexity of the last {tail} tokens, {len(docs)} evaluation documents "
         f"of {corpus.describe()}"
     )
     print(f"{'method':<14} {'text':<8} {'tail NLL':>9} {'PPL':>8} {'vs exact':>9}")
@@ -124,7 +129,7 @@ def cmd_ppl(args: argparse.Namespace) -> int:
         print(f"{r['method']:<14} {text:<8} {r['tail_nll']:9.4f} {r['ppl']:8.3f} {r['ppl_increase_pct']:+8.1f}%")
     if args.out:
         info = corpus_info(corpus)
-        write_json(args.out, {"model": lm.name, "dtype": dtype_name(lm), "corpus": info, "ppl": rows}, args.argv)
+        write_json(args.out, {"model": lm.name, "dtype": lm.dtype_name, "corpus": info, "ppl": rows}, args.argv)
     return 0
 
 
@@ -213,12 +218,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     summary = summarise(records)
     # Every score names its text (the noise-haystack tasks niah_single_1 and vt read none of it).
     for key in ("results", "niah_pooled"):
-        summary[key] = [{**r, "domain": corpus.domain, "corpus": corpus.id} for r in summary[key]]
+        summary[key] = _named_text(summary[key], corpus)
     ppl = []
     if args.ppl_docs:
         for n in lengths:
             ppl += tail_ppl(Engine(lm), eval_tokens(lm, corpus, n, args.ppl_docs), specs, tail)
-        ppl = [{**r, "domain": corpus.domain, "corpus": corpus.id} for r in ppl]
+        ppl = _named_text(ppl, corpus)
     recovered = recovered_over_identity(summary["results"])
     print(f"text: {corpus.describe()} (essay haystacks{' and tail-PPL documents' if ppl else ''})")
     print(report.markdown(summary["results"], ppl))
@@ -235,7 +240,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     compute = round(sum(r.get("run_s", r["ttft_s"]) for r in records), 1)
     print(f"took {seconds} s (samples: {compute} s of compute over all runs); per-sample results cached in {cache}")
     if args.out:
-        settings = {"seed": args.seed, "dtype": dtype_name(lm), "device": str(lm.device), "scored_tail": tail}
+        settings = {"seed": args.seed, "dtype": lm.dtype_name, "device": str(lm.device), "scored_tail": tail}
         write_json(
             args.out,
             {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ridgefill.cli.common import dtype_name, floats, ints, load
+from ridgefill.cli.common import floats, ints, load
 
 
 def _maps_for(lm, splits: list[int], args: argparse.Namespace) -> dict:
@@ -103,7 +103,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     bar = tqdm(total=sum(planned.values()), desc=f"tune {lm.name}", unit="run")
     base = {
         "model": lm.name,
-        "dtype": dtype_name(lm),
+        "dtype": lm.dtype_name,
         "lengths": list(lengths),
         "space": asdict(space),
         "maps_calib": {str(s): calib_info(m) for s, m in maps.items()},

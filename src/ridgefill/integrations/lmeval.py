@@ -73,9 +73,7 @@ class RidgefillLM(TemplateLM):
         self.lm = load_model(pretrained, dtype=dtype, device=device or "auto")
         self.tokenizer = self.lm.tokenizer
         self.prefill = resolve_prefill(self.lm, method, maps=maps, **typed)
-        self.method = self.prefill.method
-        # Every method but exact runs its last `tail` rows fully, so they carry logits.
-        self.settings = self.prefill.settings
+        self.method = self.prefill.label  # as asked (`tuned` may run a different method per length)
         self.engine = Engine(self.lm)
 
     # ----- what TemplateLM needs -----

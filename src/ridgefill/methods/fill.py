@@ -84,6 +84,11 @@ class FillSettings:
         """Layers every row runs densely, as exact does (0 with sparse attention below the split)."""
         return self.split if self.sparse_keep >= 1 else 0
 
+    @property
+    def reads_sentences(self) -> bool:
+        """Whether these settings find sentence ends, which reads the tokenizer's vocabulary."""
+        return bool(self.query_rows and self.query_sentence)
+
     def at(self, num_layers: int) -> FillSettings:
         """These settings with the split resolved for a model of `num_layers` layers."""
         return self if self.split is not None else replace(self, split=default_split(num_layers))
@@ -212,7 +217,7 @@ def prefill_fill(
         scores = token_scores(engine, s.split, h, tables, s.query_last)
         diagnostics = {"row_scores": scores, "score_candidates": bulk}  # eval's needle rank
         if s.query_rows:
-            ends = sentence_ends(engine, input_ids) if s.query_sentence else None
+            ends = sentence_ends(engine, input_ids) if s.reads_sentences else None
             full |= pick_spans(scores, ~full, s.query_rows, s.query_window, ends, s.query_sentence)
         bulk = ~full
         if s.drop:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from importlib import resources
 
 import torch
@@ -79,6 +79,15 @@ class GateSettings:
 
     def layer(self, num_layers: int) -> int:
         return max(1, num_layers // 4) if self.gate_layer is None else self.gate_layer
+
+    @property
+    def reads_sentences(self) -> bool:
+        """Whether these settings find sentence ends, which reads the tokenizer's vocabulary."""
+        return self.sentence > 0
+
+    def at(self, num_layers: int) -> GateSettings:
+        """These settings with the gate layer resolved for a model of `num_layers` layers."""
+        return self if self.gate_layer is not None else replace(self, gate_layer=self.layer(num_layers))
 
     def check(self, num_layers: int) -> None:
         g = self.layer(num_layers)
@@ -144,7 +153,7 @@ def prefill_tokengate(
     scores = token_scores(engine, g, st.h, st.tables, s.query_last)
     always = always_kept(n, s.sink, local, s.tail, engine.device)
     budget = max(0, int(s.keep * n) - int(always.sum()))
-    if s.sentence:
+    if s.reads_sentences:
         ends = sentence_ends(engine, input_ids)
         kept = always | pick_spans(scores, ~always, budget, s.window, ends, s.sentence)
     else:

@@ -256,8 +256,8 @@ def resolve_prefill(
         RidgefillError: an unknown method or setting, a value of the wrong type or out of range,
             maps that are missing, corrupt or for another model.
     """
-    if maps is not None and not isinstance(maps, FillMaps) and Path(maps).is_file():
-        maps = load_maps(maps, lm)  # once: a map file decides the default method too
+    if method is None and maps is not None and not isinstance(maps, FillMaps) and Path(maps).is_file():
+        maps = load_maps(maps, lm)  # read once: it decides the default method and is then used
     if method is not None:
         label = method
     elif isinstance(maps, FillMaps):  # given maps: a tuned bundle runs tuned, plain maps their own method
@@ -307,8 +307,6 @@ def _resolve(
         return Prefill(label, name)
     resolved = info.settings(**{**info.defaults, **values})
     resolved.check(lm.num_layers)
-    if isinstance(resolved, GateSettings):
-        return Prefill(label, name, replace(resolved, gate_layer=resolved.layer(lm.num_layers)))
     resolved = resolved.at(lm.num_layers)
     if info.maps is None:
         return Prefill(label, name, resolved)
@@ -344,8 +342,7 @@ def run_prefill(
         settings = info.settings(**info.defaults) if settings is None else settings
         if not isinstance(settings, info.settings):
             raise RidgefillError(f"method {method!r} takes {info.settings.__name__}, not {type(settings).__name__}")
-        if isinstance(settings, GateSettings) and settings.gate_layer is None:
-            settings = replace(settings, gate_layer=settings.layer(engine.parts.num_layers))
+        settings = settings.at(engine.parts.num_layers)
     if info.maps is None and maps is not None:
         raise RidgefillError(f"method {method!r} reads no maps")
     return Prefill(method, method, settings, maps).run(

@@ -18,6 +18,7 @@ import weakref
 import torch
 
 from ridgefill.engine import Engine
+from ridgefill.errors import RidgefillError
 
 
 @torch.inference_mode()
@@ -50,6 +51,8 @@ def sentence_ends(engine: Engine, input_ids: torch.Tensor) -> torch.Tensor:
 
     The vocabulary is decoded once per tokenizer (1.8 s for Qwen's 151K vocabulary here)."""
     tok = engine.lm.tokenizer
+    if tok is None:
+        raise RidgefillError("sentence spans read the tokenizer's vocabulary; this model was given none")
     table = _SENTENCE_END_IDS.get(tok)
     if table is None:
         text = tok.batch_decode([[i] for i in range(len(tok))])

@@ -19,7 +19,7 @@ from ridgefill.errors import RidgefillError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
-AMX_FLAG = "amx_bf16"
+AMX_FLAGS = frozenset({"amx_bf16"})
 
 
 def cpuinfo_field(key: str, cpuinfo: str | None = None) -> str | None:
@@ -35,17 +35,21 @@ def cpu_model() -> str:
     return cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
+def _has_flags(wanted: frozenset[str], cpuinfo: str | None) -> bool | None:
+    """Whether the CPU lists any of `wanted` among its flags (None: no flags line to read)."""
+    flags = cpuinfo_field("flags", cpuinfo)
+    return None if flags is None else bool(wanted & set(flags.split()))
+
+
 def cpu_bf16(cpuinfo: str | None = None) -> bool | None:
     """Whether the CPU has native bf16 arithmetic (AVX512-BF16 or AMX-BF16; None: cannot tell),
     from `cpuinfo` (default: /proc/cpuinfo)."""
-    flags = cpuinfo_field("flags", cpuinfo)
-    return None if flags is None else bool(BF16_FLAGS & set(flags.split()))
+    return _has_flags(BF16_FLAGS, cpuinfo)
 
 
 def cpu_amx(cpuinfo: str | None = None) -> bool | None:
     """Whether the CPU has AMX bf16 tiles, where bf16 matmuls run fastest (None: cannot tell)."""
-    flags = cpuinfo_field("flags", cpuinfo)
-    return None if flags is None else AMX_FLAG in flags.split()
+    return _has_flags(AMX_FLAGS, cpuinfo)
 
 
 def pick_device(device: str = "auto") -> torch.device:

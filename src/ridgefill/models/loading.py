@@ -49,6 +49,11 @@ class LoadedModel:
         return next(self.model.parameters()).dtype
 
     @property
+    def dtype_name(self) -> str:
+        """The compute dtype as results and messages name it: float32, bfloat16, float16."""
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 

@@ -42,6 +42,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ridgefill.errors import RidgefillError
+from ridgefill.fit.maps import load_maps
 from ridgefill.methods import METHODS, Prefill, resolve_prefill
 from ridgefill.methods.resolve import TUNED
 from ridgefill.models.loading import LoadedModel
@@ -89,6 +90,8 @@ class ServeConfig:
         apply to every method that has them, except `tuned`; `maps` is a map file, a tuned bundle
         or a folder (default: the model's cache folder).
         """
+        if maps is not None and Path(maps).is_file():
+            maps = load_maps(maps, lm)  # read and checked once, not once per method
         first = resolve_prefill(lm, method, maps=maps, shared=settings)
         default = method or first.label
         methods = {default: first}
