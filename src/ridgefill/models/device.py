@@ -3,7 +3,7 @@
 What it is: `pick_device` (CUDA when present) and `pick_dtype`: bf16 on CUDA and on CPUs with AMX
 tiles for bf16 (read from /proc/cpuinfo), fp32 elsewhere. Measured with `ridgefill bench` on
 SmolLM2-135M: on a Xeon with AMX, bf16 exact prefill is about 3x faster than fp32; on a Xeon with
-AVX512-BF16 but no AMX it is about 1.6x slower (2K tokens: 4.5 s against 2.7 s), so AVX512-BF16
+AVX512-BF16 but no AMX it is about 1.6x slower (2K tokens: 3.87 s against 2.38 s), so AVX512-BF16
 alone does not make bf16 the faster choice. What it is not: a benchmark; results record the CPU
 and its bf16 flags (results.py) so a reader can tell which baseline a ratio used.
 """
