@@ -124,7 +124,7 @@ def _paired(rows: dict[tuple, dict], exact: dict[tuple, dict]) -> dict:
     """Score, paired delta vs exact with its bootstrap CI, and median paired TTFT ratio of some records."""
     paired = [rows[k]["score"] - exact[k]["score"] for k in rows if k in exact]
     # TTFT ratios only from prompts whose exact and method records were timed in one run: a reused
-    # cache can hold exact's records from another session, on a busier or idler machine. Records
+    # cache can hold exact's records from another run, on a busier or idler machine. Records
     # written before runs had ids (both without one) pair as they always did.
     same_run = [k for k in rows if k in exact and exact[k].get("run") == rows[k].get("run")]
     speed = sorted(exact[k]["ttft_s"] / rows[k]["ttft_s"] for k in same_run if rows[k]["ttft_s"] > 0)
