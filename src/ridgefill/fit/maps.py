@@ -32,10 +32,7 @@ _HEADER_OBJECTS = ("model", "fit", "corpus", "tuned")  # header keys whose value
 def fingerprint(lm: LoadedModel) -> dict:
     """Architecture, dimensions and a hash of a few weight tensors: enough to tell models apart."""
     cfg = lm.model.config
-    h = hashlib.sha256()
-    probes = [lm.parts.embed.weight[:64], lm.parts.layers[0].k_proj.weight, lm.parts.layers[-1].v_proj.weight]
-    for t in probes:
-        h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
+    parts = lm.parts
     return {
         "architecture": lm.parts.arch,
         "num_layers": lm.num_layers,
@@ -43,8 +40,19 @@ def fingerprint(lm: LoadedModel) -> dict:
         "num_kv_heads": int(cfg.num_key_value_heads),
         "head_dim": int(lm.parts.layers[0].head_dim),
         "vocab_size": int(cfg.vocab_size),
-        "weights_sha256": h.hexdigest()[:24],
+        "weights_sha256": weights_digest(
+            parts.embed.weight, parts.layers[0].k_proj.weight, parts.layers[-1].v_proj.weight
+        ),
     }
+
+
+def weights_digest(embed: torch.Tensor, first_k: torch.Tensor, last_v: torch.Tensor) -> str:
+    """Hash of the first 64 embedding rows, layer 0's K projection and the last layer's V projection
+    (as float32 values: the same model loaded at another dtype hashes differently)."""
+    h = hashlib.sha256()
+    for t in (embed[:64], first_k, last_v):
+        h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:24]
 
 
 @dataclass

@@ -1,0 +1,146 @@
+"""RidgeFill inside vLLM: an out-of-tree plugin for vLLM 0.32.0 (`pip install 'ridgefill[vllm]'`).
+
+What it is: `LLM(model, maps=...)`, a vLLM `LLM` with RidgeFill on, `serve_args` for
+`ridgefill vllm-serve`, and `prepare`, which checks everything a user can get wrong (vLLM
+version, architecture, settings, the map file against the checkpoint) in one line before vLLM
+starts. vLLM users who start vLLM themselves pass the same `hf_overrides` (vllm/config.py); the
+model classes repeat every check. What it is not: the mechanism (vllm/step.py, vllm/models.py).
+
+Limits, each refused with one line: prefix caching (it would hand filled K/V to later
+requests), pipeline parallelism, speculative decoding, LoRA, quantized K/V projections, and
+Gemma3 (sliding-window layers in another KV cache group). Query-aware full rows are not offered
+inside vLLM: a chunked prompt's question arrives after its bulk was filled. Fill steps run
+eagerly (no CUDA graphs); decode steps are vLLM's own.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from ridgefill.errors import MapError, RidgefillError
+from ridgefill.fit.maps import weights_digest
+from ridgefill.vllm.config import ARCHITECTURES, VllmFill, overrides
+from ridgefill.vllm.plugin import PINNED_VLLM, check_version
+
+__all__ = ["LLM", "PINNED_VLLM", "Prepared", "overrides", "prepare", "serve_args"]
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A checked model for vLLM: its local folder, dtype name and `hf_overrides`."""
+
+    model_dir: Path
+    dtype: str
+    hf_overrides: dict
+
+
+def prepare(
+    model: str,
+    maps: str | Path | None = None,
+    method: str | None = None,
+    *,
+    dtype: str = "auto",
+    **settings,
+) -> Prepared:
+    """Check a model, map file and settings for vLLM; raise one `RidgefillError` line if wrong.
+
+    Args:
+        model: a short name (`ridgefill models list`), a Hugging Face folder or a GGUF file.
+        maps: a map file from `ridgefill fit` (its method and split are used).
+        method: ridge, identity, kva or off (default: the maps' method, else identity).
+        dtype: auto (bf16 on CUDA and AMX CPUs, else fp32, as our own engine), float32, bfloat16.
+        settings: sink, tail, outlier_factor, split (identity only).
+    """
+    check_version()
+    from ridgefill.models.device import pick_device, pick_dtype
+    from ridgefill.models.loading import resolve
+
+    folder, _ = resolve(model)
+    config = json.loads((folder / "config.json").read_text())
+    arch = (config.get("architectures") or ["?"])[0]
+    if method is None:
+        method = "identity" if maps is None else _maps_method(maps)
+    hf = overrides(arch, method, maps, **settings)
+    fill = VllmFill.from_config(SimpleNamespace(**{**config, **hf}))
+    torch_dtype = pick_dtype(dtype, pick_device("auto"))
+    loaded = fill.load_maps(SimpleNamespace(**config))
+    if loaded is not None:
+        _check_weights(folder, config, loaded, torch_dtype, fill.maps_path)
+    return Prepared(folder, _DTYPE_NAMES[torch_dtype], hf)
+
+
+def LLM(model: str, maps: str | Path | None = None, method: str | None = None, *, dtype: str = "auto", **kwargs):  # noqa: N802
+    """vLLM's `LLM` with RidgeFill on. `kwargs` are fill settings (sink, tail, outlier_factor,
+    split) and vLLM's own engine arguments; prefix caching is turned off."""
+    fill_keys = {"sink", "tail", "outlier_factor", "split"}
+    settings = {k: kwargs.pop(k) for k in list(kwargs) if k in fill_keys}
+    if kwargs.get("enable_prefix_caching"):
+        raise RidgefillError("prefix caching would hand filled K/V to later requests; leave it off with RidgeFill")
+    p = prepare(model, maps, method, dtype=dtype, **settings)
+    import vllm
+
+    return vllm.LLM(
+        str(p.model_dir), dtype=p.dtype, hf_overrides=p.hf_overrides, enable_prefix_caching=False, **kwargs
+    )
+
+
+def serve_args(p: Prepared) -> list[str]:
+    """`vllm serve` arguments that start vLLM's OpenAI server on a prepared model."""
+    return [
+        str(p.model_dir),
+        "--dtype",
+        p.dtype,
+        "--hf-overrides",
+        json.dumps(p.hf_overrides),
+        "--no-enable-prefix-caching",
+    ]
+
+
+def _maps_method(maps: str | Path) -> str:
+    from ridgefill.fit.maps import load_maps
+
+    return load_maps(Path(maps)).method
+
+
+def _check_weights(folder: Path, config: dict, maps, dtype: torch.dtype, path: str) -> None:
+    """Refuse maps fitted on other weights, or on these at another dtype than vLLM will load."""
+    want = (maps.header.get("model") or {}).get("weights_sha256")
+    if want is None:
+        return
+    digests = {name: _checkpoint_digest(folder, config, d) for d, name in _DTYPE_NAMES.items()}
+    if want == digests[_DTYPE_NAMES[dtype]]:
+        return
+    fitted = [name for name, d in digests.items() if d == want]
+    if fitted:
+        raise MapError(
+            f"{path}: fitted on this model at {fitted[0]}, but vLLM would load it at {_DTYPE_NAMES[dtype]}; "
+            f"pass dtype={fitted[0]} or fit maps at {_DTYPE_NAMES[dtype]}"
+        )
+    raise MapError(f"{path}: these maps were fitted on another model than {folder}")
+
+
+def _checkpoint_digest(folder: Path, config: dict, dtype: torch.dtype) -> str:
+    """The map header's weight hash, computed from the checkpoint's files at `dtype`."""
+    from safetensors import safe_open
+
+    last = int(config["num_hidden_layers"]) - 1
+    names = {
+        "model.embed_tokens.weight": None,
+        "model.layers.0.self_attn.k_proj.weight": None,
+        f"model.layers.{last}.self_attn.v_proj.weight": None,
+    }
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in set(names) & set(f.keys()):
+                names[name] = f.get_tensor(name)
+    missing = [n for n, t in names.items() if t is None]
+    if missing:
+        raise RidgefillError(f"{folder}: the checkpoint has no {missing[0]}; not a Llama/Qwen2 safetensors checkpoint")
+    return weights_digest(*(t.to(dtype) for t in names.values()))

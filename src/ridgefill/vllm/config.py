@@ -1,0 +1,129 @@
+"""RidgeFill's settings inside vLLM: flat `ridgefill_*` keys on the model's config.
+
+What it is: the one place that turns vLLM's `hf_overrides` into checked fill settings and back
+(`overrides`), and that checks a map file against a checkpoint's config and weights before vLLM
+starts. What it is not: the mechanism (vllm/step.py) or vLLM's own options.
+
+Keys (all optional but the map file for ridge and kva):
+  ridgefill_method          ridge (default), identity, kva, or off (the stock model)
+  ridgefill_maps            path of a map file from `ridgefill fit` (ridge, kva)
+  ridgefill_split           the split layer for identity (maps carry their own)
+  ridgefill_sink            the first tokens that run every layer
+  ridgefill_tail            the last prompt tokens that run every layer
+  ridgefill_outlier_factor  split-state norm over the median above which a row runs fully (0: off)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from ridgefill.errors import MapError, RidgefillError
+from ridgefill.fit.maps import FillMaps, load_maps
+from ridgefill.methods.fill import FillSettings
+
+METHODS = ("ridge", "identity", "kva", "off")
+PREFIX = "ridgefill_"
+_KEYS = {
+    "method": str,
+    "maps": str,
+    "split": int,
+    "sink": int,
+    "tail": int,
+    "outlier_factor": float,
+}
+_DEFAULTS = FillSettings()
+
+# Our architectures and the stock vLLM class each one extends.
+ARCHITECTURES = {
+    "LlamaForCausalLM": "RidgeFillLlamaForCausalLM",
+    "MistralForCausalLM": "RidgeFillLlamaForCausalLM",
+    "Qwen2ForCausalLM": "RidgeFillQwen2ForCausalLM",
+}
+
+
+@dataclass(frozen=True)
+class VllmFill:
+    """Checked fill settings for one model in vLLM."""
+
+    method: str
+    settings: FillSettings
+    maps_path: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
+
+    @classmethod
+    def from_config(cls, config) -> VllmFill:
+        """Read the `ridgefill_*` attributes of a (transformers) model config; refuse unknown
+        keys, wrong types, a missing map file and a split the model does not have."""
+        found = {k[len(PREFIX) :]: v for k, v in vars(config).items() if k.startswith(PREFIX)}
+        unknown = sorted(set(found) - set(_KEYS))
+        if unknown:
+            valid = ", ".join(PREFIX + k for k in _KEYS)
+            raise RidgefillError(f"unknown RidgeFill setting {PREFIX}{unknown[0]}; valid: {valid}")
+        for key, value in found.items():
+            want = _KEYS[key]
+            ok = isinstance(value, want) or (want is float and isinstance(value, int))
+            if not ok or isinstance(value, bool):
+                raise RidgefillError(f"{PREFIX}{key} must be {want.__name__}, got {value!r}")
+        method = found.get("method", "ridge")
+        if method not in METHODS:
+            raise RidgefillError(f"{PREFIX}method {method!r} is not one of {', '.join(METHODS)}")
+        factor = found.get("outlier_factor", _DEFAULTS.outlier_factor)
+        settings = FillSettings(
+            split=found.get("split"),
+            sink=found.get("sink", _DEFAULTS.sink),
+            tail=found.get("tail", _DEFAULTS.tail),
+            outlier_factor=None if not factor else float(factor),
+        )
+        maps_path = found.get("maps")
+        if method in ("ridge", "kva") and not maps_path:
+            raise RidgefillError(f"{PREFIX}method {method} needs {PREFIX}maps: a map file from `ridgefill fit`")
+        if method in ("identity", "off") and maps_path:
+            raise RidgefillError(f"{PREFIX}maps is given but {PREFIX}method {method} reads no maps")
+        num_layers = int(config.num_hidden_layers)
+        settings.check(num_layers)
+        return cls(method, settings.at(num_layers), maps_path)
+
+    def load_maps(self, config) -> FillMaps | None:
+        """The map file, checked against the config's dimensions; the settings take its split."""
+        if self.maps_path is None:
+            return None
+        maps = load_maps(Path(self.maps_path))
+        if maps.method != self.method:
+            raise MapError(f"{self.maps_path}: these are {maps.method} maps, not {self.method}")
+        if self.settings.split is not None and self.settings.split != maps.split and _split_given(config):
+            raise MapError(f"{self.maps_path}: the maps are for split {maps.split}, not {PREFIX}split {self.settings.split}")
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        try:
+            maps.check_dims(int(config.num_hidden_layers), int(config.hidden_size), int(kv_heads), int(head_dim))
+        except MapError as e:
+            raise MapError(f"{self.maps_path}: not maps for this model: {e}") from None
+        return maps
+
+    def with_split(self, split: int) -> VllmFill:
+        return replace(self, settings=replace(self.settings, split=split))
+
+
+def _split_given(config) -> bool:
+    return getattr(config, PREFIX + "split", None) is not None
+
+
+def overrides(architecture: str, method: str = "ridge", maps: str | Path | None = None, **settings) -> dict:
+    """`hf_overrides` that turn RidgeFill on for a checkpoint of `architecture` (its config's
+    first entry), e.g. overrides("LlamaForCausalLM", maps="m.safetensors", tail=512)."""
+    if architecture not in ARCHITECTURES:
+        supported = ", ".join(sorted(ARCHITECTURES))
+        raise RidgefillError(f"RidgeFill in vLLM does not support {architecture}; supported: {supported}")
+    out = {"architectures": [ARCHITECTURES[architecture]], PREFIX + "method": method}
+    if maps is not None:
+        out[PREFIX + "maps"] = str(Path(maps).resolve())
+    for key, value in settings.items():
+        if key not in _KEYS or key in ("method", "maps"):
+            raise RidgefillError(f"unknown RidgeFill setting {key!r}; valid: split, sink, tail, outlier_factor")
+        if value is not None:
+            out[PREFIX + key] = value
+    return out
