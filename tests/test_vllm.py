@@ -34,14 +34,15 @@ FILL_TOL = 1e-3  # |log-prob| between the plugin and our engine's fill prefill (
 FULL_TOL = 1e-4  # the plugin with every row full against stock vLLM (measured below 1e-5)
 
 
-def run_vllm(spec: dict) -> list[dict]:
+def run_vllm(spec: dict, preemptions: bool = False):
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
     proc = subprocess.run(
         [sys.executable, str(RUNNER), json.dumps(spec)], capture_output=True, text=True, timeout=900, env=env
     )
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
+            out = json.loads(line[len("RESULT ") :])
+            return (out["outputs"], out["preemptions"]) if preemptions else out["outputs"]
     raise AssertionError(f"vLLM run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
 
 
@@ -110,6 +111,26 @@ def test_fill_matches_our_engine_across_chunks_and_a_shared_batch(prompts, ridge
         assert max_logprob_gap(out["logprobs"][0], first) < FILL_TOL
         assert max_logprob_gap(exact["logprobs"][0], first) > 10 * FILL_TOL  # the fill did change the logits
         assert out["tokens"] == ref.token_ids[:8]
+
+
+def test_fill_survives_preemption_and_recompute(smollm2, ridge_maps):
+    """A KV cache of 11 blocks (128 tokens each) for three 630-token prompts that each need a
+    sixth block while decoding: vLLM preempts requests, frees their blocks and later recomputes
+    them (prompt and generated tokens) from scratch. The fill must give the same tokens."""
+    from ridgefill.corpus import DEFAULT_CORPUS_DIR
+    from ridgefill.fit.maps import load_maps
+    from ridgefill.generation import generate
+
+    text = (DEFAULT_CORPUS_DIR / "library" / "stdtypes.rst.txt").read_text()
+    ids = smollm2.tokenizer(text)["input_ids"]
+    prompts = [ids[i * 1000 : i * 1000 + 630] for i in range(3)]
+    s = {**spec(prompts, {"tail": 64, "sink": SINK}, ridge_maps, "ridge", max_tokens=16), "chunk": 1024}
+    got, preemptions = run_vllm({**s, "max_model_len": 1024, "kv_blocks": 11}, preemptions=True)
+    assert preemptions > 0
+    maps = load_maps(ridge_maps, smollm2)
+    for p, out in zip(prompts, got, strict=True):
+        ref = generate(smollm2, torch.tensor([p]), "ridge", maps=maps, max_new_tokens=16, tail=64, sink=SINK)
+        assert out["tokens"] == ref.token_ids[:16]
 
 
 def _free_port() -> int:

@@ -3,7 +3,8 @@
 A separate process per configuration: vLLM keeps process-wide state, so the tests start one
 engine per run (`python tests/vllm_run.py SPEC_JSON`). SPEC: model, maps, method, settings (fill
 settings, or null for stock vLLM), prompts (token id lists), max_tokens, logprobs, chunk (the
-scheduler's max_num_batched_tokens).
+scheduler's max_num_batched_tokens), and optionally max_model_len and kv_blocks (a KV cache that
+small makes vLLM preempt and recompute requests; the run then also reports how many times).
 """
 
 import json
@@ -19,15 +20,27 @@ def main() -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    preempted = []
+    preempt = Scheduler._preempt_request
+
+    def counting(self, request, *args, **kwargs):
+        preempted.append(request.request_id)
+        return preempt(self, request, *args, **kwargs)
+
+    Scheduler._preempt_request = counting
     common = dict(
         dtype="float32",
         enforce_eager=True,
-        max_model_len=2048,
+        max_model_len=spec.get("max_model_len", 2048),
         max_num_batched_tokens=spec["chunk"],
         enable_chunked_prefill=True,
         enable_prefix_caching=False,
         seed=0,
     )
+    if spec.get("kv_blocks"):
+        common["num_gpu_blocks_override"] = spec["kv_blocks"]
     if spec["settings"] is None:
         import vllm
 
@@ -48,7 +61,7 @@ def main() -> None:
         }
         for o in outs
     ]
-    print("RESULT " + json.dumps(result), flush=True)
+    print("RESULT " + json.dumps({"outputs": result, "preemptions": len(preempted)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ class BenchConfig:
     warmup_length: int | None = None
 
 
-def _flop_bound(engine: Engine, n: int, plan: Plan | None) -> float:
+def flop_bound(engine: Engine, n: int, plan: Plan | None) -> float:
     """Exact's MACs over this method's, for what its last run computed (None: it ran exact)."""
     if plan is None:
         return 1.0
@@ -79,7 +79,7 @@ def run_bench(lm: LoadedModel, cfg: BenchConfig, prompts: dict[int, list[int]], 
             m = spec.label
             t = times[m]
             ratios = [e / x for e, x in zip(ex, t, strict=True)]
-            bound = _flop_bound(engine, n, plans[m])
+            bound = flop_bound(engine, n, plans[m])
             speed = statistics.median(ex) / statistics.median(t)
             attn_m = statistics.median(attn[m])
             rows.append(

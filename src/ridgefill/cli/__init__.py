@@ -14,7 +14,16 @@ from pathlib import Path
 
 from ridgefill.cli.basic import cmd_demo, cmd_generate, cmd_models
 from ridgefill.cli.common import fill_args, model_args, text_args
-from ridgefill.cli.measure import cmd_ablation, cmd_bench, cmd_eval, cmd_fill_error, cmd_fit, cmd_needles, cmd_ppl
+from ridgefill.cli.measure import (
+    cmd_ablation,
+    cmd_bench,
+    cmd_eval,
+    cmd_fill_error,
+    cmd_fit,
+    cmd_needles,
+    cmd_ppl,
+    cmd_vllm_bench,
+)
 from ridgefill.cli.serve import cmd_loadtest, cmd_serve, cmd_vllm_serve
 from ridgefill.cli.tune import cmd_tune, tune_args
 from ridgefill.errors import RidgefillError
@@ -79,6 +88,10 @@ examples:
   ridgefill vllm-serve smollm2-135m --maps ~/.cache/ridgefill/maps/.../smollm2-135m.ridge.s15.safetensors
   ridgefill vllm-serve qwen2.5-0.5b --maps qwen.ridge.s12.safetensors --tail 512 -- --max-model-len 32768
   ridgefill vllm-serve smollm2-135m --method off   # stock vLLM through the same command""",
+    "vllm-bench": """examples:
+  ridgefill vllm-bench --model smollm2-135m --maps smollm2-135m.ridge.s18.safetensors --tail 512 --lengths 4096,8192
+  ridgefill vllm-bench --model qwen2.5-0.5b --maps qwen2.5-0.5b.ridge.s10.safetensors --tail 512 \\
+      --lengths 4096,8192,16384 --out results/qwen2.5-0.5b/vllm_bench.json""",
     "loadtest": """examples:
   ridgefill loadtest
   ridgefill loadtest --clients 16 --requests 2 --queue-limits 32,2 --out results/serve_load.json""",
@@ -239,6 +252,28 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--host", default="127.0.0.1")
     w.add_argument("--port", type=int, default=8000)
     w.set_defaults(func=cmd_vllm_serve)
+
+    vb = sub.add_parser(
+        "vllm-bench",
+        help="TTFT of stock vLLM, vLLM with RidgeFill and our engine, side by side",
+        epilog=EXAMPLES["vllm-bench"],
+        formatter_class=fmt,
+    )
+    vb.add_argument("--model", default="smollm2-135m", help="short name, HF model folder or .gguf file")
+    vb.add_argument("--maps", default=None, help="a map file from `ridgefill fit` (ridge or kva)")
+    vb.add_argument("--method", default=None, help="ridge, kva or identity (default: the maps' method)")
+    vb.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    vb.add_argument("--device", default="cpu", help=argparse.SUPPRESS)
+    vb.add_argument("--split", type=int, default=None, help="split layer for identity (maps carry their own)")
+    vb.add_argument("--sink", type=int, default=None)
+    vb.add_argument("--tail", type=int, default=None)
+    vb.add_argument("--outlier-factor", type=float, default=None)
+    vb.add_argument("--lengths", default="4096,8192")
+    vb.add_argument("--repeats", type=int, default=3)
+    vb.add_argument("--warmup", type=int, default=1)
+    text_args(vb, "your own text for the prompts: file, .jsonl or folder (evaluation split is used)")
+    vb.add_argument("--out", type=Path, default=None, help="JSON results")
+    vb.set_defaults(func=cmd_vllm_bench)
 
     t = sub.add_parser(
         "loadtest", help="loopback load test of the server", epilog=EXAMPLES["loadtest"], formatter_class=fmt

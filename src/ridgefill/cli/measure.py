@@ -302,3 +302,62 @@ def cmd_needles(args: argparse.Namespace) -> int:
         )
         print(f"written to {args.out}")
     return 0
+
+
+def cmd_vllm_bench(args: argparse.Namespace) -> int:
+    from ridgefill.bench.vllm import VllmBenchConfig, run_vllm_bench
+    from ridgefill.domains import corpus_info
+    from ridgefill.methods import resolve_prefill
+    from ridgefill.models.device import cpu_model
+    from ridgefill.results import write_json
+    from ridgefill.vllm import prepare
+
+    settings = {k: getattr(args, k) for k in ("sink", "tail", "outlier_factor", "split")}
+    prepared = prepare(args.model, args.maps, args.method, dtype=args.dtype, **settings)
+    args.dtype = prepared.dtype  # our engine at the dtype vLLM runs
+    lm = load(args)
+    cfg = VllmBenchConfig(ints(args.lengths), args.repeats, args.warmup)
+    check_lengths(cfg.lengths, lm.name, lm.context_length)
+    fill = prepared.hf_overrides
+    method = fill["ridgefill_method"]
+    ours = {
+        k[len("ridgefill_") :]: v
+        for k, v in fill.items()
+        if k.startswith("ridgefill_") and k not in ("ridgefill_method", "ridgefill_maps")
+    }
+    if ours.get("outlier_factor") == 0:
+        ours["outlier_factor"] = None
+    fill_prefill = resolve_prefill(lm, method, maps=fill.get("ridgefill_maps"), fit_missing=False, **ours)
+    exact_prefill = resolve_prefill(lm, "exact")
+    corpus = eval_corpus(args)
+    prompts = {n: eval_tokens(lm, corpus, n, 1)[0] for n in cfg.lengths}
+    rows = run_vllm_bench(lm, prepared, fill_prefill, exact_prefill, cfg, prompts)
+    print(f"{lm.name} ({prepared.dtype}, CPU: {cpu_model()}), {cfg.repeats} repeats; fill: {fill_prefill.describe()}")
+    print(
+        f"{'length':>6} {'engine':<9} {'method':<6} {'median s':>9} {'[min-max]':>15} {'speedup':>8} {'[min-max]':>11} "
+        f"{'FLOP bound':>10}  note"
+    )
+    for r in rows:
+        note = ""
+        if "ratio_of_speedups" in r:
+            note = f"{r['ratio_of_speedups']:.0%} of our engine's speedup"
+        if "vs_our_exact" in r:
+            note = f"{r['vs_our_exact']:.2f}x our exact"
+        print(
+            f"{r['length']:>6} {r['engine']:<9} {r['method']:<6} {r['median_s']:9.3f} "
+            f"{r['min_s']:7.3f}-{r['max_s']:<7.3f} {r['speedup']:7.2f}x "
+            f"{r['speedup_min']:5.2f}-{r['speedup_max']:<5.2f} {r['flop_bound']:9.2f}x  {note}"
+        )
+    if args.out:
+        config = {
+            "lengths": list(cfg.lengths),
+            "repeats": cfg.repeats,
+            "warmup": cfg.warmup,
+            "hf_overrides": fill,
+            "ours": fill_prefill.describe(),
+            "cpu": cpu_model(),
+            "corpus": corpus_info(corpus),
+            "vllm": "whole prompt in one scheduler step, eager, prefix caching off, max_tokens=1",
+        }
+        write_json(args.out, {"model": lm.name, "dtype": prepared.dtype, "config": config, "results": rows}, args.argv)
+    return 0
