@@ -19,7 +19,6 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
-
     from vllm.v1.core.sched.scheduler import Scheduler
 
     preempted = []
