@@ -83,7 +83,9 @@ def run_vllm_bench(lm, prepared, fill_prefill, exact_prefill, cfg: VllmBenchConf
     from ridgefill.engine import Engine
 
     longest = max(cfg.lengths)
-    base = dict(model=str(prepared.model_dir), dtype=prepared.dtype, max_len=longest + 8)
+    base = dict(
+        model=str(prepared.model_dir), dtype=prepared.dtype, max_len=longest + 1
+    )  # the prompt and its one output token
     workers = {
         "vllm exact": _Worker("stock", {**base, "hf_overrides": None}),
         "vllm fill": _Worker("RidgeFill", {**base, "hf_overrides": prepared.hf_overrides}),

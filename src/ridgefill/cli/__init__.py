@@ -94,7 +94,9 @@ examples:
       --lengths 4096,8192,16384 --out results/qwen2.5-0.5b/vllm_bench.json""",
     "loadtest": """examples:
   ridgefill loadtest
-  ridgefill loadtest --clients 16 --requests 2 --queue-limits 32,2 --out results/serve_load.json""",
+  ridgefill loadtest --clients 16 --requests 2 --queue-limits 32,2 --out results/serve_load.json
+  ridgefill loadtest --prompt-tokens 2048 --requests 1 --queue-limits 32
+  ridgefill loadtest --url http://127.0.0.1:8000 --prompt-tokens 2048 --requests 1   # e.g. vllm-serve""",
     "demo": """examples:
   ridgefill demo
   ridgefill demo --model qwen2.5-0.5b --tokens 8000""",
@@ -286,6 +288,13 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--max-tokens", type=int, default=16)
     t.add_argument("--queue-limits", default="32,2", help="one run per server queue limit")
     t.add_argument("--timeout", type=float, default=600, help="seconds for the whole load")
+    t.add_argument(
+        "--url", default=None, help="load a server already running at this URL (e.g. `ridgefill vllm-serve`)"
+    )
+    t.add_argument(
+        "--prompt-tokens", type=int, default=0, help="each request starts with this many tokens of text (0: short)"
+    )
+    text_args(t, "text for --prompt-tokens: file, .jsonl or folder (evaluation split is used)")
     t.add_argument("--out", type=Path, default=None, help="JSON results")
     t.set_defaults(func=cmd_loadtest)
 

@@ -42,21 +42,38 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
     from ridgefill.serve.local import local_server
 
     lm = load(args)
+    prompts = None
+    if args.prompt_tokens:
+        from ridgefill.cli.common import eval_corpus, eval_tokens
+
+        ids = eval_tokens(lm, eval_corpus(args), args.prompt_tokens, args.clients * args.requests)
+        prompts = [lm.tokenizer.decode(p) for p in ids]
     runs = []
-    for limit in ints(args.queue_limits):
+
+    def report(r: dict, label: str) -> None:
+        print(
+            f"{label}: {r['requests']} requests, {r['ok']} ok, {r['rejected_429']} x 429, "
+            f"{r['failed']} failed ({r['server_errors_5xx']} x 5xx); TTFT median {r['ttft_median_s']} s, "
+            f"p95 {r['ttft_p95_s']} s, max {r['ttft_max_s']} s (model alone: median {r['model_ttft_median_s']} s); "
+            f"{r['tokens_per_s']} tokens/s; recovered: {r['recovered']}"
+        )
+
+    if args.url:  # a server already running, ours or another OpenAI-compatible one (vLLM)
+        import openai
+
+        model = openai.OpenAI(base_url=f"{args.url}/v1", api_key="unused").models.list().data[0].id
+        r = run_load(args.url, model, args.clients, args.requests, args.max_tokens, args.timeout, prompts)
+        runs.append({"url": args.url, "server_model": model, **r})
+        report(r, args.url)
+    for limit in [] if args.url else ints(args.queue_limits):
         cfg = ServeConfig.for_model(lm, args.method, args.maps, limit, setting_options(args))
         with local_server(cfg) as url:
-            report = run_load(url, lm.name, args.clients, args.requests, args.max_tokens, args.timeout)
-        runs.append({"max_queue": limit, "method": cfg.default_method, **report})
-        r = report
-        print(
-            f"queue limit {limit:>3}: {r['requests']} requests, {r['ok']} ok, {r['rejected_429']} x 429, "
-            f"{r['failed']} failed ({r['server_errors_5xx']} x 5xx); TTFT median {r['ttft_median_s']} s, "
-            f"max {r['ttft_max_s']} s (model alone: median {r['model_ttft_median_s']} s, "
-            f"max {r['model_ttft_max_s']} s); recovered: {r['recovered']}"
-        )
+            r = run_load(url, lm.name, args.clients, args.requests, args.max_tokens, args.timeout, prompts)
+        runs.append({"max_queue": limit, "method": cfg.default_method, **r})
+        report(r, f"queue limit {limit:>3}")
     if args.out:
-        write_json(args.out, {"model": lm.name, "max_tokens": args.max_tokens, "runs": runs}, args.argv)
+        doc = {"model": lm.name, "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens, "runs": runs}
+        write_json(args.out, doc, args.argv)
     bad = any(r["failed"] for r in runs) or not all(r["recovered"] for r in runs)
     return 1 if bad else 0
 
