@@ -113,6 +113,23 @@ def test_fill_matches_our_engine_across_chunks_and_a_shared_batch(prompts, ridge
         assert out["tokens"] == ref.token_ids[:8]
 
 
+def test_query_rows_match_our_engine_for_prompts_scheduled_whole(prompts, ridge_maps, smollm2):
+    """Both prompts in one scheduler step: each one's query-aware spans (sentences included) are
+    chosen from its own split-layer scores, as our engine chooses them."""
+    from ridgefill.fit.maps import load_maps
+    from ridgefill.generation import generate
+
+    q = {"tail": 64, "sink": SINK, "query_rows": 96, "query_sentence": 16}
+    got = run_vllm({**spec(prompts, q, ridge_maps, "ridge"), "chunk": 2048})
+    maps = load_maps(ridge_maps, smollm2)
+    for ids, out in zip(prompts, got, strict=True):
+        ref = generate(smollm2, torch.tensor([ids]), "ridge", maps=maps, max_new_tokens=8, **q)
+        assert len(ref.prefill.plan.full) > 64 + SINK + 64  # spans were chosen
+        ref_lp = torch.log_softmax(ref.prefill.logits[-1].float(), -1)
+        assert max_logprob_gap(out["logprobs"][0], {t: float(ref_lp[int(t)]) for t in out["logprobs"][0]}) < FILL_TOL
+        assert out["tokens"] == ref.token_ids[:8]
+
+
 def test_fill_survives_preemption_and_recompute(smollm2, ridge_maps):
     """A KV cache of 11 blocks (128 tokens each) for three 630-token prompts that each need a
     sixth block while decoding: vLLM preempts requests, frees their blocks and later recomputes

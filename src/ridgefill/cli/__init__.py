@@ -103,6 +103,13 @@ examples:
 }
 
 
+def vllm_query_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--query-rows", type=int, default=None, help="query-aware full rows (prompts whole in one step)")
+    p.add_argument("--query-window", type=int, default=None)
+    p.add_argument("--query-last", type=int, default=None)
+    p.add_argument("--query-sentence", type=int, default=None, help="spans cover sentences up to N tokens each side")
+
+
 def _parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
     p = argparse.ArgumentParser(
@@ -251,6 +258,7 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--sink", type=int, default=None, help="first tokens that run every layer")
     w.add_argument("--tail", type=int, default=None, help="last prompt tokens that run every layer")
     w.add_argument("--outlier-factor", type=float, default=None, help="0 turns outlier rows off")
+    vllm_query_args(w)
     w.add_argument("--host", default="127.0.0.1")
     w.add_argument("--port", type=int, default=8000)
     w.set_defaults(func=cmd_vllm_serve)
@@ -270,6 +278,7 @@ def _parser() -> argparse.ArgumentParser:
     vb.add_argument("--sink", type=int, default=None)
     vb.add_argument("--tail", type=int, default=None)
     vb.add_argument("--outlier-factor", type=float, default=None)
+    vllm_query_args(vb)
     vb.add_argument("--lengths", default="4096,8192")
     vb.add_argument("--repeats", type=int, default=3)
     vb.add_argument("--warmup", type=int, default=1)

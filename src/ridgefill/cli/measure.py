@@ -310,9 +310,9 @@ def cmd_vllm_bench(args: argparse.Namespace) -> int:
     from ridgefill.methods import resolve_prefill
     from ridgefill.models.device import cpu_model
     from ridgefill.results import write_json
-    from ridgefill.vllm import prepare
+    from ridgefill.vllm import SETTINGS, prepare
 
-    settings = {k: getattr(args, k) for k in ("sink", "tail", "outlier_factor", "split")}
+    settings = {k: getattr(args, k) for k in SETTINGS}
     prepared = prepare(args.model, args.maps, args.method, dtype=args.dtype, **settings)
     args.dtype = prepared.dtype  # our engine at the dtype vLLM runs
     lm = load(args)

@@ -82,9 +82,9 @@ def cmd_vllm_serve(args: argparse.Namespace) -> int:
     """Check the model, maps and settings, then become vLLM's own OpenAI server with RidgeFill on."""
     import sys
 
-    from ridgefill.vllm import prepare, serve_args
+    from ridgefill.vllm import SETTINGS, prepare, serve_args
 
-    settings = {k: getattr(args, k) for k in ("sink", "tail", "outlier_factor", "split")}
+    settings = {k: getattr(args, k) for k in SETTINGS}
     prepared = prepare(args.model, args.maps, args.method, dtype=args.dtype, **settings)
     extra = args.passthrough
     if any(a.startswith("--enable-prefix-caching") for a in extra):

@@ -24,10 +24,10 @@ import torch
 
 from ridgefill.errors import MapError, RidgefillError
 from ridgefill.fit.maps import weights_digest
-from ridgefill.vllm.config import VllmFill, overrides
+from ridgefill.vllm.config import SETTINGS, VllmFill, overrides
 from ridgefill.vllm.plugin import PINNED_VLLM, check_version
 
-__all__ = ["LLM", "PINNED_VLLM", "Prepared", "overrides", "prepare", "serve_args"]
+__all__ = ["LLM", "PINNED_VLLM", "SETTINGS", "Prepared", "overrides", "prepare", "serve_args"]
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -56,7 +56,8 @@ def prepare(
         maps: a map file from `ridgefill fit` (its method and split are used).
         method: ridge, identity, kva or off (default: the maps' method, else identity).
         dtype: auto (bf16 on CUDA and AMX CPUs, else fp32, as our own engine), float32, bfloat16.
-        settings: sink, tail, outlier_factor, split (identity only).
+        settings: sink, tail, outlier_factor, split (identity only), query_rows, query_window,
+            query_last, query_sentence (vllm/config.py).
     """
     check_version()
     from ridgefill.models.device import pick_device, pick_dtype
@@ -77,9 +78,9 @@ def prepare(
 
 
 def LLM(model: str, maps: str | Path | None = None, method: str | None = None, *, dtype: str = "auto", **kwargs):  # noqa: N802
-    """vLLM's `LLM` with RidgeFill on. `kwargs` are fill settings (sink, tail, outlier_factor,
-    split) and vLLM's own engine arguments; prefix caching is turned off."""
-    fill_keys = {"sink", "tail", "outlier_factor", "split"}
+    """vLLM's `LLM` with RidgeFill on. `kwargs` are fill settings (`SETTINGS`: sink, tail, ...)
+    and vLLM's own engine arguments; prefix caching is turned off."""
+    fill_keys = set(SETTINGS)
     settings = {k: kwargs.pop(k) for k in list(kwargs) if k in fill_keys}
     if kwargs.get("enable_prefix_caching"):
         raise RidgefillError("prefix caching would hand filled K/V to later requests; leave it off with RidgeFill")

@@ -11,6 +11,10 @@ Keys (all optional but the map file for ridge and kva):
   ridgefill_sink            the first tokens that run every layer
   ridgefill_tail            the last prompt tokens that run every layer
   ridgefill_outlier_factor  split-state norm over the median above which a row runs fully (0: off)
+  ridgefill_query_rows      about this many more rows run fully, chosen by the attention the
+                            prompt's last tokens pay them at the split layer (0: off); only for
+                            prompts scheduled whole in one step (methods/select.py)
+  ridgefill_query_window, ridgefill_query_last, ridgefill_query_sentence   as in FillSettings
 """
 
 from __future__ import annotations
@@ -31,7 +35,12 @@ _KEYS = {
     "sink": int,
     "tail": int,
     "outlier_factor": float,
+    "query_rows": int,
+    "query_window": int,
+    "query_last": int,
+    "query_sentence": int,
 }
+SETTINGS = tuple(k for k in _KEYS if k not in ("method", "maps"))  # the fill settings by name
 _DEFAULTS = FillSettings()
 
 # Our architectures and the stock vLLM class each one extends.
@@ -77,6 +86,7 @@ class VllmFill:
             sink=found.get("sink", _DEFAULTS.sink),
             tail=found.get("tail", _DEFAULTS.tail),
             outlier_factor=None if not factor else float(factor),
+            **{k: found[k] for k in ("query_rows", "query_window", "query_last", "query_sentence") if k in found},
         )
         maps_path = found.get("maps")
         if method in ("ridge", "kva") and not maps_path:
@@ -124,8 +134,8 @@ def overrides(architecture: str, method: str = "ridge", maps: str | Path | None 
     if maps is not None:
         out[PREFIX + "maps"] = str(Path(maps).resolve())
     for key, value in settings.items():
-        if key not in _KEYS or key in ("method", "maps"):
-            raise RidgefillError(f"unknown RidgeFill setting {key!r}; valid: split, sink, tail, outlier_factor")
+        if key not in SETTINGS:
+            raise RidgefillError(f"unknown RidgeFill setting {key!r}; valid: {', '.join(SETTINGS)}")
         if value is not None:
             out[PREFIX + key] = value
     return out

@@ -55,6 +55,7 @@ class RidgeFillMixin:
             if self.ridgefill_maps is not None:
                 fill = fill.with_split(self.ridgefill_maps.split)
         self.ridgefill = fill
+        self.ridgefill_tokenizer = vllm_config.model_config.tokenizer
         log.info("ridgefill: %s, %s", fill.method, fill.settings if fill.enabled else "stock forward")
 
     def load_weights(self, weights) -> set[str]:
@@ -63,9 +64,12 @@ class RidgeFillMixin:
             layers = self.model.layers
             step.check_layers(layers, self.ridgefill.settings)
             self._check_fingerprint()
-            self._ridgefill_kv = {
-                i: step.kv_weights(layers[i]) for i in range(self.ridgefill.settings.split, len(layers))
-            }
+            split = self.ridgefill.settings.split
+            self._ridgefill_kv = {i: step.kv_weights(layers[i]) for i in range(split, len(layers))}
+            if self.ridgefill.settings.query_rows:
+                self._ridgefill_q = step.q_weights(layers[split])
+            if self.ridgefill.settings.reads_sentences:
+                self._sentence_table()  # decoding the vocabulary once takes seconds: not in a request
         return loaded
 
     def _check_fingerprint(self) -> None:
@@ -121,7 +125,7 @@ class RidgeFillMixin:
         for layer in layers[: s.split]:
             hidden, residual = layer(positions, hidden, residual)
         stream = hidden if residual is None else hidden + residual  # (T, d): the split state
-        rows = step.split_rows(plan, s, stream)
+        rows = self._split_rows(plan, input_ids, positions, stream)
         fc = get_forward_context()
         deep = [layer.self_attn.attn.layer_name for layer in layers[s.split :]]
         if rows.bulk.numel():
@@ -156,6 +160,46 @@ class RidgeFillMixin:
             h, _ = model.norm(h, r) if r is not None else (model.norm(h), None)
             out[rows.full] = h
         return out
+
+    def _split_rows(self, plan: step.Step, input_ids, positions, stream) -> step.Rows:
+        s = self.ridgefill.settings
+        if not s.query_rows:
+            return step.split_rows(plan, s, stream)
+        layer = self.model.layers[s.split]
+        kv = self._ridgefill_kv[s.split]
+
+        def scores(a: int, b: int) -> torch.Tensor:
+            return step.token_scores(layer, self._ridgefill_q, kv, stream[a:b], positions[a:b], s.query_last)
+
+        ends = None
+        if s.reads_sentences and input_ids is not None:
+            ends = self._sentence_table()[input_ids[: len(plan.pos)].clamp(0, len(self._sentence_table()) - 1)]
+        for r in range(len(plan.qsl) - 1):
+            a, b = int(plan.qsl[r]), int(plan.qsl[r + 1])
+            split_prompt = b > a and int(plan.pos[a]) < int(plan.plen[a]) and step.whole_prompt(plan, r) is None
+            if split_prompt and not getattr(self, "_ridgefill_warned", False):
+                self._ridgefill_warned = True
+                log.warning(
+                    "ridgefill: a prompt of %d tokens is split across scheduler steps: it is filled without "
+                    "query rows (they need the question before the bulk is filled); raise "
+                    "max_num_batched_tokens above your longest prompt to keep them",
+                    int(plan.plen[a]),
+                )
+        return step.split_rows(plan, s, stream, scores, ends)
+
+    def _sentence_table(self) -> torch.Tensor:
+        """(V,) bool: vocabulary ids whose text holds a sentence end, from the model's tokenizer."""
+        table = getattr(self, "_ridgefill_ends", None)
+        if table is None:
+            from transformers import AutoTokenizer
+
+            from ridgefill.methods.select import SENTENCE_END
+
+            tok = AutoTokenizer.from_pretrained(self.ridgefill_tokenizer)
+            text = tok.batch_decode([[i] for i in range(len(tok))])
+            table = torch.tensor([any(c in t for c in SENTENCE_END) for t in text])
+            self._ridgefill_ends = table
+        return table
 
     def _ridgefill_builder(self, layer_name: str):
         """vLLM's attention metadata builder for the KV cache group holding `layer_name`."""

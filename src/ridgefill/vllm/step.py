@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from ridgefill.errors import RidgefillError
 from ridgefill.fit.maps import FillMaps
 from ridgefill.methods.fill import FillSettings
+from ridgefill.methods.select import pick_spans
 
 
 @dataclass
@@ -74,10 +75,29 @@ def prompt_step(positions: torch.Tensor, query_start_loc: torch.Tensor, prompt_l
     return Step(req, plen, pos, qsl)
 
 
-def split_rows(step: Step, settings: FillSettings, stream: torch.Tensor) -> Rows:
+def whole_prompt(step: Step, r: int) -> tuple[int, int] | None:
+    """[a, b): the step's rows holding request r's whole prompt, when this step schedules all of it."""
+    a, b = int(step.qsl[r]), int(step.qsl[r + 1])
+    if b > a and int(step.pos[a]) == 0 and b - a >= int(step.plen[a]):
+        return a, a + int(step.plen[a])
+    return None
+
+
+def split_rows(
+    step: Step,
+    settings: FillSettings,
+    stream: torch.Tensor,
+    scores=None,
+    ends: torch.Tensor | None = None,
+) -> Rows:
     """Sort a step's rows into full and bulk. stream: (T, d) split-layer states, for outlier rows
     (each request's median over its rows in this step; the whole prompt's when it is scheduled
-    in one step, as in methods/fill.py)."""
+    in one step, as in methods/fill.py).
+
+    With `settings.query_rows`, `scores(a, b)` gives the (b - a,) split-layer attention score of a
+    whole prompt scheduled at rows [a, b), and the best-scoring spans run fully (methods/select.py;
+    `ends`: (T,) sentence ends for `query_sentence`). A prompt split across steps gets none: its
+    question arrives after its bulk was filled."""
     pos, req, qsl = step.pos, step.req, step.qsl
     full = (pos < settings.sink) | (pos >= step.plen - settings.tail)
     if settings.outlier_factor is not None:
@@ -87,6 +107,22 @@ def split_rows(step: Step, settings: FillSettings, stream: torch.Tensor) -> Rows
             if b > a:
                 seg = norms[a:b]
                 full[a:b] |= seg > settings.outlier_factor * seg.median()
+    if settings.query_rows:
+        for r in range(len(qsl) - 1):
+            span = whole_prompt(step, r)
+            if span is None:
+                continue
+            a, b = span
+            reach = settings.query_sentence if ends is not None else 0
+            picked = pick_spans(
+                scores(a, b),
+                ~full[a:b],
+                settings.query_rows,
+                settings.query_window,
+                ends[a:b] if reach else None,
+                reach,
+            )
+            full[a:b] |= picked
     full_idx = full.nonzero().squeeze(1)
     bulk_idx = (~full).nonzero().squeeze(1)
     # Runs: consecutive full rows of one request.
@@ -135,6 +171,41 @@ def kv_weights(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | Non
     w, b = attn.qkv_proj.weight, getattr(attn.qkv_proj, "bias", None)
     b = None if b is None or b.numel() == 0 else b[attn.q_size :].detach().clone()  # vLLM keeps empty biases
     return w[attn.q_size :].detach().clone(), b
+
+
+def q_weights(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A copy of the query rows of a layer's fused QKV projection (weight (q_size, d), bias)."""
+    attn = layer.self_attn
+    w, b = attn.qkv_proj.weight, getattr(attn.qkv_proj, "bias", None)
+    b = None if b is None or b.numel() == 0 else b[: attn.q_size].detach().clone()
+    return w[: attn.q_size].detach().clone(), b
+
+
+@torch.inference_mode()
+def token_scores(
+    layer: torch.nn.Module,
+    q_w: tuple[torch.Tensor, torch.Tensor | None],
+    kv_w: tuple[torch.Tensor, torch.Tensor | None],
+    h: torch.Tensor,
+    positions: torch.Tensor,
+    last: int,
+) -> torch.Tensor:
+    """(N,) attention mass the last `last` rows of one prompt pay each of its rows at `layer`, as
+    methods/select.py's token_scores (per-head softmax, mean over the queries, max over heads).
+    h: (N, d) the layer's input (the split state); positions: (N,)."""
+    attn = layer.self_attn
+    n = h.shape[0]
+    x = layer.input_layernorm(h)
+    k, _ = layer_kv(layer, kv_w, x, positions)  # (N, Hkv, hd)
+    qs = slice(max(0, n - last), n)
+    q = F.linear(x[qs], *q_w)
+    q, _ = attn.rotary_emb(positions[qs], q.contiguous())
+    q = q.view(-1, attn.num_heads, attn.head_dim).transpose(0, 1)  # (H, Q, hd)
+    k = k.transpose(0, 1).repeat_interleave(attn.num_heads // attn.num_kv_heads, dim=0)  # (H, N, hd)
+    att = (q @ k.transpose(-1, -2)) * attn.scaling  # (H, Q, N), in the model dtype as our engine
+    idx = torch.arange(n, device=h.device)
+    att = att.masked_fill(idx[None, :] > idx[qs][:, None], float("-inf")).softmax(-1)
+    return att.mean(1).amax(0)
 
 
 def layer_kv(
