@@ -253,7 +253,7 @@ def test_maps_of_another_model_corrupt_maps_and_bad_settings_are_refused(ridge_m
 
     for bad, words in [
         (dict(method="identity", split=31), "split 31 is outside"),
-        (dict(method="ridge"), "needs ridgefill_maps"),
+        (dict(method="ridge", split=29), "no ridge maps for split 29 of smollm2-135m at float32"),
         (dict(method="identity", tail=0), "tail >= 1"),
         (dict(method="sparse"), "not one of"),
     ]:

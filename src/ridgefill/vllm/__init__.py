@@ -53,8 +53,10 @@ def prepare(
 
     Args:
         model: a short name (`ridgefill models list`), a Hugging Face folder or a GGUF file.
-        maps: a map file from `ridgefill fit` (its method and split are used).
-        method: ridge, identity, kva or off (default: the maps' method, else identity).
+        maps: a map file from `ridgefill fit` (its method and split are used); None: the file
+            `ridgefill fit` wrote to the model's cache folder for this dtype and `split` (default:
+            the shipped tuned split of an embedded model, else half the layers).
+        method: ridge, identity, kva or off (default: the maps' method, else ridge).
         dtype: auto (bf16 on CUDA and AMX CPUs, else fp32, as our own engine), float32, bfloat16.
         settings: sink, tail, outlier_factor, split (identity only), query_rows, query_window,
             query_last, query_sentence (vllm/config.py).
@@ -63,14 +65,15 @@ def prepare(
     from ridgefill.models.device import pick_device, pick_dtype
     from ridgefill.models.loading import resolve
 
-    folder, _ = resolve(model)
+    folder, name = resolve(model)
     config = json.loads((folder / "config.json").read_text())
     arch = (config.get("architectures") or ["?"])[0]
-    if method is None:
-        method = "identity" if maps is None else _maps_method(maps)
+    torch_dtype = pick_dtype(dtype, pick_device("auto"))
+    method = method or (_maps_method(maps) if maps is not None else "ridge")
+    if maps is None and method in ("ridge", "kva"):
+        maps = _cached_maps(folder, name, config, method, settings.pop("split", None), torch_dtype)
     hf = overrides(arch, method, maps, **settings)
     fill = VllmFill.from_config(SimpleNamespace(**{**config, **hf}))
-    torch_dtype = pick_dtype(dtype, pick_device("auto"))
     loaded = fill.load_maps(SimpleNamespace(**config))
     if loaded is not None:
         _check_weights(folder, config, loaded, torch_dtype, fill.maps_path)
@@ -102,6 +105,28 @@ def serve_args(p: Prepared) -> list[str]:
         json.dumps(p.hf_overrides),
         "--no-enable-prefix-caching",
     ]
+
+
+def _cached_maps(folder: Path, name: str, config: dict, method: str, split: int | None, dtype: torch.dtype) -> Path:
+    """The map file `ridgefill fit` writes for this checkpoint and dtype (fit/maps.py's folder and
+    file names), or a one-line error with the command that fits it."""
+    from ridgefill.fit.maps import maps_filename
+    from ridgefill.methods.fill import default_split
+    from ridgefill.methods.tuned import shipped_defaults
+    from ridgefill.models.loading import cache_dir
+
+    if split is None:
+        shipped = shipped_defaults().get(name, {})
+        split = shipped.get("settings", {}).get("split") or default_split(int(config["num_hidden_layers"]))
+    digest = _checkpoint_digest(folder, config, dtype)
+    path = cache_dir() / "maps" / f"{name}-{digest[:12]}" / maps_filename(name, method, split)
+    if not path.is_file():
+        raise MapError(
+            f"no {method} maps for split {split} of {name} at {_DTYPE_NAMES[dtype]} in {path.parent}; run "
+            f"`ridgefill fit --model {name} --dtype {_DTYPE_NAMES[dtype]} --splits {split} --methods {method}` "
+            "or pass a map file"
+        )
+    return path
 
 
 def _maps_method(maps: str | Path) -> str:
