@@ -53,11 +53,17 @@ def sentence_ends(engine: Engine, input_ids: torch.Tensor) -> torch.Tensor:
     tok = engine.lm.tokenizer
     if tok is None:
         raise RidgefillError("sentence spans read the tokenizer's vocabulary; this model was given none")
+    table = sentence_end_table(tok)
+    return table[input_ids[0].cpu().clamp(0, len(table) - 1)].to(engine.device)
+
+
+def sentence_end_table(tok) -> torch.Tensor:
+    """(V,) bool: vocabulary ids whose text holds a sentence end, decoded once per tokenizer."""
     table = _SENTENCE_END_IDS.get(tok)
     if table is None:
         text = tok.batch_decode([[i] for i in range(len(tok))])
         table = _SENTENCE_END_IDS[tok] = torch.tensor([any(c in t for c in SENTENCE_END) for t in text])
-    return table[input_ids[0].cpu().clamp(0, len(table) - 1)].to(engine.device)
+    return table
 
 
 def sentence_around(ends: torch.Tensor, p: int, reach: int) -> tuple[int, int]:

@@ -56,6 +56,9 @@ class RidgeFillMixin:
                 fill = fill.with_split(self.ridgefill_maps.split)
         self.ridgefill = fill
         self.ridgefill_tokenizer = vllm_config.model_config.tokenizer
+        self._ridgefill_ends: torch.Tensor | None = None  # sentence-end vocabulary ids, when read
+        self._ridgefill_builder_cache = None  # vLLM's metadata builder of the deep layers
+        self._ridgefill_warned = False  # the one warning about prompts split across steps
         log.info("ridgefill: %s, %s", fill.method, fill.settings if fill.enabled else "stock forward")
 
     def load_weights(self, weights) -> set[str]:
@@ -173,11 +176,12 @@ class RidgeFillMixin:
 
         ends = None
         if s.reads_sentences and input_ids is not None:
-            ends = self._sentence_table()[input_ids[: len(plan.pos)].clamp(0, len(self._sentence_table()) - 1)]
+            table = self._sentence_table()
+            ends = table[input_ids[: len(plan.pos)].cpu().clamp(0, len(table) - 1)].to(stream.device)
         for r in range(len(plan.qsl) - 1):
             a, b = int(plan.qsl[r]), int(plan.qsl[r + 1])
             split_prompt = b > a and int(plan.pos[a]) < int(plan.plen[a]) and step.whole_prompt(plan, r) is None
-            if split_prompt and not getattr(self, "_ridgefill_warned", False):
+            if split_prompt and not self._ridgefill_warned:
                 self._ridgefill_warned = True
                 log.warning(
                     "ridgefill: a prompt of %d tokens is split across scheduler steps: it is filled without "
@@ -189,25 +193,19 @@ class RidgeFillMixin:
 
     def _sentence_table(self) -> torch.Tensor:
         """(V,) bool: vocabulary ids whose text holds a sentence end, from the model's tokenizer."""
-        table = getattr(self, "_ridgefill_ends", None)
-        if table is None:
+        if self._ridgefill_ends is None:
             from transformers import AutoTokenizer
 
-            from ridgefill.methods.select import SENTENCE_END
+            from ridgefill.methods.select import sentence_end_table
 
-            tok = AutoTokenizer.from_pretrained(self.ridgefill_tokenizer)
-            text = tok.batch_decode([[i] for i in range(len(tok))])
-            table = torch.tensor([any(c in t for c in SENTENCE_END) for t in text])
-            self._ridgefill_ends = table
-        return table
+            self._ridgefill_ends = sentence_end_table(AutoTokenizer.from_pretrained(self.ridgefill_tokenizer))
+        return self._ridgefill_ends
 
     def _ridgefill_builder(self, layer_name: str):
         """vLLM's attention metadata builder for the KV cache group holding `layer_name`."""
-        builder = getattr(self, "_ridgefill_builder_cache", None)
-        if builder is None:
-            builder = _find_builder(layer_name)
-            self._ridgefill_builder_cache = builder
-        return builder
+        if self._ridgefill_builder_cache is None:
+            self._ridgefill_builder_cache = _find_builder(layer_name)
+        return self._ridgefill_builder_cache
 
 
 def _find_builder(layer_name: str):
