@@ -103,7 +103,17 @@ examples:
 }
 
 
-def vllm_query_args(p: argparse.ArgumentParser) -> None:
+def vllm_fill_args(p: argparse.ArgumentParser) -> None:
+    """RidgeFill's settings inside vLLM (ridgefill/vllm/config.py)."""
+    p.add_argument("--maps", default=None, help="a map file from `ridgefill fit` (default: the model's cached maps)")
+    p.add_argument("--method", default=None, help="ridge, kva, identity or off (default: the maps' method, else ridge)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--split", type=int, default=None, help="split layer of the cached maps or of identity (default: tuned split)"
+    )
+    p.add_argument("--sink", type=int, default=None, help="first tokens that run every layer")
+    p.add_argument("--tail", type=int, default=None, help="last prompt tokens that run every layer")
+    p.add_argument("--outlier-factor", type=float, default=None, help="0 turns outlier rows off")
     p.add_argument("--query-rows", type=int, default=None, help="query-aware full rows (prompts whole in one step)")
     p.add_argument("--query-window", type=int, default=None)
     p.add_argument("--query-last", type=int, default=None)
@@ -251,14 +261,7 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=fmt,
     )
     w.add_argument("model", help="short name, HF model folder or .gguf file")
-    w.add_argument("--maps", default=None, help="a map file from `ridgefill fit` (ridge or kva)")
-    w.add_argument("--method", default=None, help="ridge, kva, identity or off (default: the maps' method)")
-    w.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    w.add_argument("--split", type=int, default=None, help="split layer for identity (maps carry their own)")
-    w.add_argument("--sink", type=int, default=None, help="first tokens that run every layer")
-    w.add_argument("--tail", type=int, default=None, help="last prompt tokens that run every layer")
-    w.add_argument("--outlier-factor", type=float, default=None, help="0 turns outlier rows off")
-    vllm_query_args(w)
+    vllm_fill_args(w)
     w.add_argument("--host", default="127.0.0.1")
     w.add_argument("--port", type=int, default=8000)
     w.set_defaults(func=cmd_vllm_serve)
@@ -270,15 +273,8 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=fmt,
     )
     vb.add_argument("--model", default="smollm2-135m", help="short name, HF model folder or .gguf file")
-    vb.add_argument("--maps", default=None, help="a map file from `ridgefill fit` (ridge or kva)")
-    vb.add_argument("--method", default=None, help="ridge, kva or identity (default: the maps' method)")
-    vb.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    vllm_fill_args(vb)
     vb.add_argument("--device", default="cpu", help=argparse.SUPPRESS)
-    vb.add_argument("--split", type=int, default=None, help="split layer for identity (maps carry their own)")
-    vb.add_argument("--sink", type=int, default=None)
-    vb.add_argument("--tail", type=int, default=None)
-    vb.add_argument("--outlier-factor", type=float, default=None)
-    vllm_query_args(vb)
     vb.add_argument("--lengths", default="4096,8192")
     vb.add_argument("--repeats", type=int, default=3)
     vb.add_argument("--warmup", type=int, default=1)

@@ -130,8 +130,8 @@ def split_rows(
         breaks = torch.ones_like(full_idx, dtype=torch.bool)
         breaks[1:] = (full_idx[1:] != full_idx[:-1] + 1) | (req[full_idx[1:]] != req[full_idx[:-1]])
         starts = breaks.nonzero().squeeze(1)
-        ends = torch.cat([starts[1:], starts.new_tensor([full_idx.numel()])])
-        run_req, run_len = req[full_idx[starts]], ends - starts
+        stops = torch.cat([starts[1:], starts.new_tensor([full_idx.numel()])])
+        run_req, run_len = req[full_idx[starts]], stops - starts
     else:
         run_req = run_len = full_idx.new_zeros(0)
     return Rows(full_idx, bulk_idx, run_req, run_len)
