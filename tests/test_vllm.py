@@ -265,6 +265,17 @@ def test_maps_of_another_model_corrupt_maps_and_bad_settings_are_refused(ridge_m
     assert "prefix caching" in one_line(e)
 
 
+def test_tuned_takes_the_shipped_settings_the_plugin_runs():
+    from ridgefill.vllm import _tuned
+
+    method, settings = _tuned("smollm2-135m", {"tail": 64, "sink": None})
+    assert method == "ridge" and settings["split"] == 18 and settings["tail"] == 64 and settings["sink"] == 4
+    assert settings["query_rows"] == 512 and "drop" not in settings
+    with pytest.raises(RidgefillError) as e:
+        _tuned("my-model", {})
+    assert "no tuned fill configuration ships for my-model" in one_line(e)
+
+
 def test_config_keys_architectures_and_engine_features_are_checked():
     from ridgefill.vllm.config import VllmFill, overrides
     from ridgefill.vllm.models import check_engine

@@ -16,6 +16,7 @@ eagerly (no CUDA graphs); decode steps are vLLM's own.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,6 +30,7 @@ from ridgefill.vllm.plugin import PINNED_VLLM, check_version
 
 __all__ = ["LLM", "PINNED_VLLM", "SETTINGS", "Prepared", "overrides", "prepare", "serve_args"]
 
+log = logging.getLogger(__name__)
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -56,7 +58,8 @@ def prepare(
         maps: a map file from `ridgefill fit` (its method and split are used); None: the file
             `ridgefill fit` wrote to the model's cache folder for this dtype and `split` (default:
             the shipped tuned split of an embedded model, else half the layers).
-        method: ridge, identity, kva or off (default: the maps' method, else ridge).
+        method: ridge, identity, kva, off, or tuned: the shipped tuned configuration of an embedded
+            model, less what vLLM cannot run (dropped rows) (default: the maps' method, else ridge).
         dtype: auto (bf16 on CUDA and AMX CPUs, else fp32, as our own engine), float32, bfloat16.
         settings: sink, tail, outlier_factor, split (identity only), query_rows, query_window,
             query_last, query_sentence (vllm/config.py).
@@ -70,6 +73,8 @@ def prepare(
     arch = (config.get("architectures") or ["?"])[0]
     torch_dtype = pick_dtype(dtype, pick_device("auto"))
     method = method or (_maps_method(maps) if maps is not None else "ridge")
+    if method == "tuned":
+        method, settings = _tuned(name, settings)
     if maps is None and method in ("ridge", "kva"):
         maps = _cached_maps(folder, name, config, method, settings.pop("split", None), torch_dtype)
     hf = overrides(arch, method, maps, **settings)
@@ -105,6 +110,24 @@ def serve_args(p: Prepared) -> list[str]:
         json.dumps(p.hf_overrides),
         "--no-enable-prefix-caching",
     ]
+
+
+def _tuned(name: str, settings: dict) -> tuple[str, dict]:
+    """The shipped tuned method and settings of an embedded model, as far as the plugin runs them;
+    settings given explicitly win."""
+    from ridgefill.methods.tuned import shipped_defaults
+
+    entry = shipped_defaults().get(name)
+    if entry is None or entry.get("method") not in ("ridge", "kva", "identity"):
+        raise RidgefillError(f"no tuned fill configuration ships for {name}; pass --method ridge and settings")
+    from ridgefill.methods.fill import FillSettings
+
+    shipped, default = entry["settings"], FillSettings()
+    skipped = {k: v for k, v in shipped.items() if k not in SETTINGS and v != getattr(default, k, v)}
+    if skipped:
+        log.info("ridgefill: vLLM runs %s's tuned fill without %s", name, skipped)
+    given = {k: v for k, v in settings.items() if v is not None}
+    return entry["method"], {**{k: v for k, v in shipped.items() if k in SETTINGS}, **given}
 
 
 def _cached_maps(folder: Path, name: str, config: dict, method: str, split: int | None, dtype: torch.dtype) -> Path:
