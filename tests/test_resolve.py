@@ -205,14 +205,14 @@ def test_import_sets_no_environment_variable_and_load_model_never_runs_pip(monke
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
 
-    from ridgefill.models import loading, registry
+    from ridgefill.models import loading
 
     def no_pip(*args, **kwargs):
         raise AssertionError("load_model ran pip")
 
     monkeypatch.setattr(subprocess, "run", no_pip)
     monkeypatch.setattr(subprocess, "check_call", no_pip)
-    monkeypatch.setattr(registry, "is_installed", lambda em: False)
+    monkeypatch.setattr(loading, "is_installed", lambda em: False)  # the name loading reads
     with pytest.raises(RidgefillError, match="not installed; run `ridgefill models pull qwen2.5-0.5b`"):
         loading.load_model("qwen2.5-0.5b")
 

@@ -82,16 +82,19 @@ EXAMPLES = {
   RIDGEFILL_API_KEY=s3cret ridgefill serve --host 0.0.0.0 --max-body-bytes 1048576
   curl -s localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
       -d '{"model":"smollm2-135m","messages":[{"role":"user","content":"Hi"}],"prefill":{"method":"exact"}}'""",
-    "vllm-serve": """arguments after -- go to `vllm serve` as they are.
+    "vllm-serve": """arguments after -- go to vLLM's OpenAI server as they are. Maps: --maps FILE, else the ones
+`ridgefill fit --model M --dtype D --splits S` wrote for this model and dtype (S: --split, else
+the model's tuned split).
 
 examples:
-  ridgefill vllm-serve smollm2-135m --maps ~/.cache/ridgefill/maps/.../smollm2-135m.ridge.s15.safetensors
-  ridgefill vllm-serve qwen2.5-0.5b --maps qwen.ridge.s12.safetensors --tail 512 -- --max-model-len 32768
+  ridgefill vllm-serve smollm2-135m --split 18 --tail 512
+  ridgefill vllm-serve qwen2.5-0.5b --method tuned -- --max-model-len 32768 --max-num-batched-tokens 32768
+  ridgefill vllm-serve ./my-llama --maps my-llama.ridge.s16.safetensors --tail 1024
   ridgefill vllm-serve smollm2-135m --method off   # stock vLLM through the same command""",
     "vllm-bench": """examples:
-  ridgefill vllm-bench --model smollm2-135m --maps smollm2-135m.ridge.s18.safetensors --tail 512 --lengths 4096,8192
-  ridgefill vllm-bench --model qwen2.5-0.5b --maps qwen2.5-0.5b.ridge.s10.safetensors --tail 512 \\
-      --lengths 4096,8192,16384 --out results/qwen2.5-0.5b/vllm_bench.json""",
+  ridgefill vllm-bench --model smollm2-135m --split 18 --tail 512 --lengths 4096,8000 --repeats 5
+  ridgefill vllm-bench --model qwen2.5-0.5b --split 10 --tail 512 --lengths 4096,8192,16384 \\
+      --out results/qwen2.5-0.5b/vllm_bench.json""",
     "loadtest": """examples:
   ridgefill loadtest
   ridgefill loadtest --clients 16 --requests 2 --queue-limits 32,2 --out results/serve_load.json
