@@ -244,6 +244,10 @@ def test_maps_of_another_model_corrupt_maps_and_bad_settings_are_refused(ridge_m
         prepare("smollm2-135m", ridge_maps, dtype="bfloat16")
     assert "fitted on this model at float32" in one_line(e)
 
+    with pytest.raises(MapError) as e:
+        prepare("smollm2-135m", ridge_maps, split=12)
+    assert "the maps are for split 15, not ridgefill_split 12" in one_line(e)
+
     small = load_maps(smollm2_maps / "smollm2-135m.kva.s15.safetensors")
     wrong = type(small)("ridge", 15, {i: torch.zeros(65, 64) for i in range(16, 30)}, {})
     save_maps(wrong, tmp_path / "wrong.safetensors")

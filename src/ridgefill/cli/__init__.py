@@ -277,7 +277,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     vb.add_argument("--model", default="smollm2-135m", help="short name, HF model folder or .gguf file")
     vllm_fill_args(vb)
-    vb.add_argument("--device", default="cpu", help=argparse.SUPPRESS)
+    vb.add_argument("--device", default="auto", help=argparse.SUPPRESS)  # our engine where vLLM runs
     vb.add_argument("--lengths", default="4096,8192")
     vb.add_argument("--repeats", type=int, default=3)
     vb.add_argument("--warmup", type=int, default=1)

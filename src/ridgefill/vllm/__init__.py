@@ -79,7 +79,7 @@ def prepare(
         maps = _cached_maps(folder, name, config, method, settings.pop("split", None), torch_dtype)
     hf = overrides(arch, method, maps, **settings)
     fill = VllmFill.from_config(SimpleNamespace(**{**config, **hf}))
-    loaded = fill.load_maps(SimpleNamespace(**config))
+    loaded = fill.load_maps(SimpleNamespace(**{**config, **hf}))
     if loaded is not None:
         _check_weights(folder, config, loaded, torch_dtype, fill.maps_path)
     return Prepared(folder, _DTYPE_NAMES[torch_dtype], hf)
