@@ -61,8 +61,8 @@ def prepare(
         method: ridge, identity, kva, off, or tuned: the shipped tuned configuration of an embedded
             model, less what vLLM cannot run (dropped rows) (default: the maps' method, else ridge).
         dtype: auto (bf16 on CUDA and AMX CPUs, else fp32, as our own engine), float32, bfloat16.
-        settings: sink, tail, outlier_factor, split (identity only), query_rows, query_window,
-            query_last, query_sentence (vllm/config.py).
+        settings: sink, tail, outlier_factor, split (identity's, or which cached maps to take),
+            query_rows, query_window, query_last, query_sentence (vllm/config.py).
     """
     check_version()
     from ridgefill.models.device import pick_device, pick_dtype
@@ -78,8 +78,9 @@ def prepare(
     if maps is None and method in ("ridge", "kva"):
         maps = _cached_maps(folder, name, config, method, settings.pop("split", None), torch_dtype)
     hf = overrides(arch, method, maps, **settings)
-    fill = VllmFill.from_config(SimpleNamespace(**{**config, **hf}))
-    loaded = fill.load_maps(SimpleNamespace(**{**config, **hf}))
+    merged = SimpleNamespace(**{**config, **hf})  # the model config as vLLM will see it
+    fill = VllmFill.from_config(merged)
+    loaded = fill.load_maps(merged)
     if loaded is not None:
         _check_weights(folder, config, loaded, torch_dtype, fill.maps_path)
     return Prepared(folder, _DTYPE_NAMES[torch_dtype], hf)
