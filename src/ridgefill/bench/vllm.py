@@ -40,7 +40,7 @@ class _Worker:
     def __init__(self, name: str, spec: dict):
         self.name = name
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.pop("kv_gib", 4)))
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB: enough for one 32K prompt, not the default's half of RAM
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ridgefill.bench.vllm", json.dumps(spec)],
             stdin=subprocess.PIPE,
@@ -83,9 +83,8 @@ def run_vllm_bench(lm, prepared, fill_prefill, exact_prefill, cfg: VllmBenchConf
     from ridgefill.engine import Engine
 
     longest = max(cfg.lengths)
-    base = dict(
-        model=str(prepared.model_dir), dtype=prepared.dtype, max_len=longest + 1
-    )  # the prompt and its one output token
+    # max_len: the longest prompt and its one output token
+    base = dict(model=str(prepared.model_dir), dtype=prepared.dtype, max_len=longest + 1)
     workers = {
         "vllm exact": _Worker("stock", {**base, "hf_overrides": None}),
         "vllm fill": _Worker("RidgeFill", {**base, "hf_overrides": prepared.hf_overrides}),

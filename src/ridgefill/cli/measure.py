@@ -318,16 +318,8 @@ def cmd_vllm_bench(args: argparse.Namespace) -> int:
     lm = load(args)
     cfg = VllmBenchConfig(ints(args.lengths), args.repeats, args.warmup)
     check_lengths(cfg.lengths, lm.name, lm.context_length)
-    fill = prepared.hf_overrides
-    method = fill["ridgefill_method"]
-    ours = {
-        k[len("ridgefill_") :]: v
-        for k, v in fill.items()
-        if k.startswith("ridgefill_") and k not in ("ridgefill_method", "ridgefill_maps")
-    }
-    if ours.get("outlier_factor") == 0:
-        ours["outlier_factor"] = None
-    fill_prefill = resolve_prefill(lm, method, maps=fill.get("ridgefill_maps"), fit_missing=False, **ours)
+    fill = prepared.fill  # the plugin's checked settings: our engine runs the same ones
+    fill_prefill = resolve_prefill(lm, fill.method, settings=fill.settings, maps=fill.maps_path, fit_missing=False)
     exact_prefill = resolve_prefill(lm, "exact")
     corpus = eval_corpus(args)
     prompts = {n: eval_tokens(lm, corpus, n, 1)[0] for n in cfg.lengths}
@@ -353,7 +345,7 @@ def cmd_vllm_bench(args: argparse.Namespace) -> int:
             "lengths": list(cfg.lengths),
             "repeats": cfg.repeats,
             "warmup": cfg.warmup,
-            "hf_overrides": fill,
+            "hf_overrides": prepared.hf_overrides,
             "ours": fill_prefill.describe(),
             "cpu": cpu_model(),
             "corpus": corpus_info(corpus),

@@ -83,12 +83,13 @@ def cmd_vllm_serve(args: argparse.Namespace) -> int:
     import sys
 
     from ridgefill.vllm import SETTINGS, prepare, serve_args
+    from ridgefill.vllm.config import PREFIX_CACHING
 
     settings = {k: getattr(args, k) for k in SETTINGS}
     prepared = prepare(args.model, args.maps, args.method, dtype=args.dtype, **settings)
     extra = args.passthrough
     if any(a.startswith("--enable-prefix-caching") for a in extra):
-        raise RidgefillError("prefix caching would hand filled K/V to later requests; leave it off with RidgeFill")
+        raise RidgefillError(PREFIX_CACHING)
     argv = [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server"]
     argv += [*serve_args(prepared), *extra]
     argv += ["--host", args.host, "--port", str(args.port)]

@@ -118,9 +118,14 @@ class FillMaps:
 
 def default_maps_dir(lm: LoadedModel) -> Path:
     """Where `ridgefill fit` writes maps by default, keyed by the model's fingerprint."""
+    return maps_dir(lm.name, fingerprint(lm)["weights_sha256"])
+
+
+def maps_dir(model_name: str, weights_sha256: str) -> Path:
+    """The cache folder of a model's maps, named by the model and its `weights_digest`."""
     from ridgefill.models.loading import cache_dir
 
-    return cache_dir() / "maps" / f"{lm.name}-{fingerprint(lm)['weights_sha256'][:12]}"
+    return cache_dir() / "maps" / f"{model_name}-{weights_sha256[:12]}"
 
 
 def maps_filename(model_name: str, method: str, split: int) -> str:

@@ -25,7 +25,7 @@ import torch
 
 from ridgefill.errors import MapError, RidgefillError
 from ridgefill.fit.maps import weights_digest
-from ridgefill.vllm.config import SETTINGS, VllmFill, overrides
+from ridgefill.vllm.config import PREFIX_CACHING, SETTINGS, VllmFill, overrides
 from ridgefill.vllm.plugin import PINNED_VLLM, check_version
 
 __all__ = ["LLM", "PINNED_VLLM", "SETTINGS", "Prepared", "overrides", "prepare", "serve_args"]
@@ -41,6 +41,7 @@ class Prepared:
     model_dir: Path
     dtype: str
     hf_overrides: dict
+    fill: VllmFill  # the checked settings, as the model classes will read them (split from the maps)
 
 
 def prepare(
@@ -75,15 +76,18 @@ def prepare(
     method = method or (_maps_method(maps) if maps is not None else "ridge")
     if method == "tuned":
         method, settings = _tuned(name, settings)
+    probes = None
     if maps is None and method in ("ridge", "kva"):
-        maps = _cached_maps(folder, name, config, method, settings.pop("split", None), torch_dtype)
+        probes = _checkpoint_probes(folder, config)
+        maps = _cached_maps(name, config, method, settings.pop("split", None), torch_dtype, probes)
     hf = overrides(arch, method, maps, **settings)
     merged = SimpleNamespace(**{**config, **hf})  # the model config as vLLM will see it
     fill = VllmFill.from_config(merged)
     loaded = fill.load_maps(merged)
     if loaded is not None:
-        _check_weights(folder, config, loaded, torch_dtype, fill.maps_path)
-    return Prepared(folder, _DTYPE_NAMES[torch_dtype], hf)
+        _check_weights(folder, probes or _checkpoint_probes(folder, config), loaded, torch_dtype, fill.maps_path)
+        fill = fill.with_split(loaded.split)
+    return Prepared(folder, _DTYPE_NAMES[torch_dtype], hf, fill)
 
 
 def LLM(model: str, maps: str | Path | None = None, method: str | None = None, *, dtype: str = "auto", **kwargs):  # noqa: N802
@@ -92,7 +96,7 @@ def LLM(model: str, maps: str | Path | None = None, method: str | None = None, *
     fill_keys = set(SETTINGS)
     settings = {k: kwargs.pop(k) for k in list(kwargs) if k in fill_keys}
     if kwargs.get("enable_prefix_caching"):
-        raise RidgefillError("prefix caching would hand filled K/V to later requests; leave it off with RidgeFill")
+        raise RidgefillError(PREFIX_CACHING)
     p = prepare(model, maps, method, dtype=dtype, **settings)
     import vllm
 
@@ -131,19 +135,19 @@ def _tuned(name: str, settings: dict) -> tuple[str, dict]:
     return entry["method"], {**{k: v for k, v in shipped.items() if k in SETTINGS}, **given}
 
 
-def _cached_maps(folder: Path, name: str, config: dict, method: str, split: int | None, dtype: torch.dtype) -> Path:
+def _cached_maps(
+    name: str, config: dict, method: str, split: int | None, dtype: torch.dtype, probes: tuple[torch.Tensor, ...]
+) -> Path:
     """The map file `ridgefill fit` writes for this checkpoint and dtype (fit/maps.py's folder and
     file names), or a one-line error with the command that fits it."""
-    from ridgefill.fit.maps import maps_filename
+    from ridgefill.fit.maps import maps_dir, maps_filename
     from ridgefill.methods.fill import default_split
     from ridgefill.methods.tuned import shipped_defaults
-    from ridgefill.models.loading import cache_dir
 
     if split is None:
         shipped = shipped_defaults().get(name, {})
         split = shipped.get("settings", {}).get("split") or default_split(int(config["num_hidden_layers"]))
-    digest = _checkpoint_digest(folder, config, dtype)
-    path = cache_dir() / "maps" / f"{name}-{digest[:12]}" / maps_filename(name, method, split)
+    path = maps_dir(name, weights_digest(*(t.to(dtype) for t in probes))) / maps_filename(name, method, split)
     if not path.is_file():
         raise MapError(
             f"no {method} maps for split {split} of {name} at {_DTYPE_NAMES[dtype]} in {path.parent}; run "
@@ -159,12 +163,12 @@ def _maps_method(maps: str | Path) -> str:
     return load_maps(Path(maps)).method
 
 
-def _check_weights(folder: Path, config: dict, maps, dtype: torch.dtype, path: str) -> None:
+def _check_weights(folder: Path, probes: tuple[torch.Tensor, ...], maps, dtype: torch.dtype, path: str) -> None:
     """Refuse maps fitted on other weights, or on these at another dtype than vLLM will load."""
     want = (maps.header.get("model") or {}).get("weights_sha256")
     if want is None:
         return
-    digests = {name: _checkpoint_digest(folder, config, d) for d, name in _DTYPE_NAMES.items()}
+    digests = {name: weights_digest(*(t.to(d) for t in probes)) for d, name in _DTYPE_NAMES.items()}
     if want == digests[_DTYPE_NAMES[dtype]]:
         return
     fitted = [name for name, d in digests.items() if d == want]
@@ -176,8 +180,9 @@ def _check_weights(folder: Path, config: dict, maps, dtype: torch.dtype, path: s
     raise MapError(f"{path}: these maps were fitted on another model than {folder}")
 
 
-def _checkpoint_digest(folder: Path, config: dict, dtype: torch.dtype) -> str:
-    """The map header's weight hash, computed from the checkpoint's files at `dtype`."""
+def _checkpoint_probes(folder: Path, config: dict) -> tuple[torch.Tensor, ...]:
+    """The tensors `weights_digest` hashes, read from the checkpoint's files as stored: the first
+    64 embedding rows (a slice, not the whole table), layer 0's K and the last layer's V projection."""
     from safetensors import safe_open
 
     last = int(config["num_hidden_layers"]) - 1
@@ -189,8 +194,8 @@ def _checkpoint_digest(folder: Path, config: dict, dtype: torch.dtype) -> str:
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             for name in set(names) & set(f.keys()):
-                names[name] = f.get_tensor(name)
+                names[name] = f.get_slice(name)[:64] if name.endswith("embed_tokens.weight") else f.get_tensor(name)
     missing = [n for n, t in names.items() if t is None]
     if missing:
         raise RidgefillError(f"{folder}: the checkpoint has no {missing[0]}; not a Llama/Qwen2 safetensors checkpoint")
-    return weights_digest(*(t.to(dtype) for t in names.values()))
+    return tuple(names.values())

@@ -40,6 +40,10 @@ _KEYS = {
     "query_last": int,
     "query_sentence": int,
 }
+PREFIX_CACHING = (
+    "prefix caching would hand filled K/V to later requests as if exact; turn it off with RidgeFill "
+    "(--no-enable-prefix-caching, enable_prefix_caching=False)"
+)
 SETTINGS = tuple(k for k in _KEYS if k not in ("method", "maps"))  # the fill settings by name
 _DEFAULTS = FillSettings()
 

@@ -20,7 +20,7 @@ from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from ridgefill.errors import MapError, RidgefillError
 from ridgefill.fit.maps import weights_digest
 from ridgefill.vllm import step
-from ridgefill.vllm.config import VllmFill
+from ridgefill.vllm.config import PREFIX_CACHING, VllmFill
 from ridgefill.vllm.plugin import STEP
 
 log = logging.getLogger(__name__)
@@ -29,10 +29,7 @@ log = logging.getLogger(__name__)
 def check_engine(vllm_config: VllmConfig) -> None:
     """Refuse the vLLM features a fill step cannot serve correctly, each in one line."""
     if vllm_config.cache_config.enable_prefix_caching:
-        raise RidgefillError(
-            "prefix caching would hand filled K/V to later requests as if exact; "
-            "turn it off with RidgeFill (--no-enable-prefix-caching, enable_prefix_caching=False)"
-        )
+        raise RidgefillError(PREFIX_CACHING)
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise RidgefillError("RidgeFill in vLLM does not support pipeline parallelism yet")
     if vllm_config.speculative_config is not None:
@@ -68,9 +65,9 @@ class RidgeFillMixin:
             step.check_layers(layers, self.ridgefill.settings)
             self._check_fingerprint()
             split = self.ridgefill.settings.split
-            self._ridgefill_kv = {i: step.kv_weights(layers[i]) for i in range(split, len(layers))}
+            self._ridgefill_kv = {i: step.projection_rows(layers[i], "kv") for i in range(split, len(layers))}
             if self.ridgefill.settings.query_rows:
-                self._ridgefill_q = step.q_weights(layers[split])
+                self._ridgefill_q = step.projection_rows(layers[split], "q")
             if self.ridgefill.settings.reads_sentences:
                 self._sentence_table()  # decoding the vocabulary once takes seconds: not in a request
         return loaded

@@ -164,21 +164,15 @@ def run_metadata(builder, rows: Rows, positions: torch.Tensor, block_table: torc
     return builder.build(common_prefix_len=0, common_attn_metadata=cm)
 
 
-def kv_weights(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A copy of the K/V rows of a layer's fused QKV projection (weight (2 * kv_size, d), bias),
-    taken after loading and before vLLM's CPU path packs the weights away."""
+def projection_rows(layer: torch.nn.Module, part: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A copy of the query (`part="q"`: (q_size, d)) or K/V (`"kv"`: (2 * kv_size, d)) rows of a
+    layer's fused QKV projection, weight and bias, taken after loading and before vLLM's CPU path
+    packs the weights away."""
     attn = layer.self_attn
+    rows = slice(None, attn.q_size) if part == "q" else slice(attn.q_size, None)
     w, b = attn.qkv_proj.weight, getattr(attn.qkv_proj, "bias", None)
-    b = None if b is None or b.numel() == 0 else b[attn.q_size :].detach().clone()  # vLLM keeps empty biases
-    return w[attn.q_size :].detach().clone(), b
-
-
-def q_weights(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A copy of the query rows of a layer's fused QKV projection (weight (q_size, d), bias)."""
-    attn = layer.self_attn
-    w, b = attn.qkv_proj.weight, getattr(attn.qkv_proj, "bias", None)
-    b = None if b is None or b.numel() == 0 else b[: attn.q_size].detach().clone()
-    return w[: attn.q_size].detach().clone(), b
+    b = None if b is None or b.numel() == 0 else b[rows].detach().clone()  # vLLM keeps empty biases
+    return w[rows].detach().clone(), b
 
 
 @torch.inference_mode()
@@ -212,7 +206,7 @@ def layer_kv(
     layer: torch.nn.Module, kv: tuple[torch.Tensor, torch.Tensor | None], normed: torch.Tensor, positions: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K (after RoPE) and V of rows whose normed layer input is `normed` (N, d), through the
-    layer's own K/V weights `kv` (from `kv_weights`). Returns two (N, kv_heads, head_dim)."""
+    layer's own K/V weights `kv` (`projection_rows`). Returns two (N, kv_heads, head_dim)."""
     attn = layer.self_attn
     kvs = F.linear(normed, *kv)  # (N, 2 * kv_size)
     k, v = kvs.split([attn.kv_size, attn.kv_size], dim=-1)
@@ -257,7 +251,7 @@ def fill_bulk(
 ) -> None:
     """Write every deep layer's K/V for bulk rows: split states `x` (B, d) at `positions` (B,).
     Layer `split` reads the split state itself (exact K/V); deeper ones read the fill's prediction.
-    kv: each deep layer's K/V weights (`kv_weights`)."""
+    kv: each deep layer's K/V weights (`projection_rows`)."""
 
     def put(i: int, h: torch.Tensor) -> None:
         layer = layers[i]
