@@ -37,13 +37,18 @@ def _assert_same(a, b, num_layers):
             torch.testing.assert_close(x, y, atol=1e-4, rtol=0)
 
 
-@pytest.fixture(scope="module")
-def fitted():
+def fit_tiny_llama():
+    """A tiny llama with its ridge and kva maps at split 1 (by method) and the fit report."""
     lm = make_tiny("llama")
     maps, report = fit_maps(
         lm, _byte_segments(6, 96), _byte_segments(2, 96, offset=6000), FitConfig(splits=(1,), segment_tokens=96)
     )
     return lm, {m.method: m for m in maps}, report
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    return fit_tiny_llama()
 
 
 def test_split_at_top_equals_exact(tiny):

@@ -10,12 +10,12 @@ from conftest import make_tiny
 from ridgefill.bench.flops import exact_macs, plan_macs
 from ridgefill.engine import Engine
 from ridgefill.errors import RidgefillError
-from ridgefill.methods import FillSettings, GateSettings, run_prefill
+from ridgefill.methods import FillSettings, GateSettings, resolve_prefill, run_prefill
 from ridgefill.methods.gate import length_threshold
 from ridgefill.methods.select import top_blocks
 from ridgefill.models import hf
 from ridgefill.ops.sparse import block_layout, block_sparse_attend
-from test_fill import _assert_same, _ids
+from test_fill import _assert_same, _ids, fit_tiny_llama
 
 
 def _qkv(n: int, seed: int = 0):
@@ -290,3 +290,89 @@ def test_sentence_gate_keeps_whole_sentences_and_runs_them_fully(tiny):
     _assert_same(everything, eng.prefill_exact(ids), tiny.num_layers)
     with pytest.raises(RidgefillError, match="sentence must be >= 0"):
         run_prefill(eng, ids, "tokengate", settings=replace(s, sentence=-1))
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    return fit_tiny_llama()
+
+
+def _naive_scores(eng: Engine, layer: int, h: torch.Tensor, last: int, pool: int) -> torch.Tensor:
+    """Row scores computed one head and one query at a time, pooled by an explicit loop."""
+    n = h.shape[1]
+    lp = eng.parts.layers[layer]
+    tables = eng.rope(n, h)
+    cos, sin = tables[lp.layer_type]
+    x = lp.input_norm(h)
+    q = eng.project_q(layer, x, cos, sin)[0]  # (H, N, hd)
+    k = eng.project_kv(layer, x, cos, sin)[0][0]  # (Hkv, N, hd)
+    group = q.shape[0] // k.shape[0]
+    per_head = []
+    for head in range(q.shape[0]):
+        rows = []
+        for t in range(n - last, n):
+            logits = (k[head // group, : t + 1] @ q[head, t]) * lp.scaling
+            rows.append(torch.cat([logits.softmax(-1), torch.zeros(n - t - 1)]))
+        per_head.append(torch.stack(rows).mean(0))
+    best = torch.stack(per_head).amax(0)
+    half = pool // 2
+    return torch.stack([best[max(0, i - half) : i + half + 1].mean() for i in range(n)])
+
+
+def test_predicted_layer_scores_equal_a_naive_reference(fitted):
+    """Scoring at a deeper layer reads that layer's queries and keys on the ridge map's prediction
+    of its input from the gate layer's state, then pools; a loop over heads and queries agrees."""
+    from ridgefill.methods.select import row_scores
+
+    lm, maps, _ = fitted
+    eng = Engine(lm)
+    ids = _ids(50)
+    with torch.inference_mode():
+        st = eng.run_lower(ids, 1)
+        got = row_scores(eng, 1, st.h, st.tables, 6, maps=maps["ridge"], score_layer=2, pool=3)
+        w = maps["ridge"].weights[2]
+        predicted = st.h @ w[:-1] + w[-1]  # the map's rows multiply the state, its last row is the bias
+        want = _naive_scores(eng, 2, predicted, 6, 3)
+        own = row_scores(eng, 1, st.h, st.tables, 6)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert not torch.allclose(got, own)  # a deeper layer scores differently from the gate layer
+
+
+def test_gate_scoring_at_a_predicted_layer_keeps_rows_that_run_fully(fitted):
+    """The gate scoring at a deeper layer: keep-all equals exact; kept rows run every layer; the
+    maps it needs are read through the resolver and refused when missing or at another split."""
+    lm, maps, _ = fitted
+    eng = Engine(lm)
+    ids = _ids(64)
+    s = _gate(keep=0.5, score_layer=2, pool=3)
+    res = run_prefill(eng, ids, "tokengate", settings=s, maps=maps["ridge"])
+    assert not res.ran_exact and 0 < len(res.plan.full) < 64
+    with torch.inference_mode():
+        ref = _reference_step(eng, ids, res.plan.full[:-1], 1)
+    torch.testing.assert_close(res.logits, ref, atol=1e-4, rtol=0)
+    from dataclasses import replace
+
+    everything = run_prefill(eng, ids, "tokengate", settings=replace(s, keep=1.0), maps=maps["ridge"])
+    _assert_same(everything, eng.prefill_exact(ids), lm.num_layers)
+    resolved = resolve_prefill(lm, "tokengate:gate_layer=1:score_layer=2", maps=maps["ridge"])
+    assert resolved.maps is maps["ridge"] and resolve_prefill(lm, "tokengate:gate_layer=1").maps is None
+    with pytest.raises(RidgefillError, match="reads ridge maps fitted at split 1; given none"):
+        run_prefill(eng, ids, "tokengate", settings=s)
+    with pytest.raises(RidgefillError, match="given kva maps"):
+        run_prefill(eng, ids, "tokengate", settings=s, maps=maps["kva"])
+    with pytest.raises(RidgefillError, match="reads no maps"):
+        run_prefill(eng, ids, "tokengate", settings=_gate(), maps=maps["ridge"])
+
+
+@pytest.mark.parametrize(
+    "settings,match",
+    [
+        (dict(score_layer=1), "score_layer 1 must be above the gate layer 1"),
+        (dict(score_layer=9), "score_layer 9"),
+        (dict(pool=2), "pool must be an odd"),
+        (dict(pool=0), "pool must be an odd"),
+    ],
+)
+def test_bad_scoring_settings_are_refused(settings, match):
+    with pytest.raises(RidgefillError, match=match):
+        run_prefill(Engine(make_tiny("llama")), _ids(60), "tokengate", settings=_gate(**settings))

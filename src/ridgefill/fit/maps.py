@@ -86,6 +86,13 @@ class FillMaps:
             self._stacked[key] = (w[:-1].to(dtype).contiguous(), w[-1].to(dtype).contiguous())
         return self._stacked[key]
 
+    def predict(self, x: torch.Tensor, layer: int) -> torch.Tensor:
+        """Ridge maps: the predicted input of deep `layer` from split states x (..., d), in x's dtype."""
+        if self.method != "ridge" or layer not in self.weights:
+            raise MapError(f"these {self.method} maps at split {self.split} predict no input of layer {layer}")
+        w = self.weights[layer].to(x.device, x.dtype)
+        return x @ w[:-1] + w[-1]
+
     def check_model(self, lm: LoadedModel) -> None:
         """Refuse maps fitted on another model, of the wrong shape, or not covering every deep layer."""
         want = self.header.get("model", {})

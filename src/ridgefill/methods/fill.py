@@ -14,6 +14,7 @@ the stock model reading the cache this fills.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+from typing import ClassVar
 
 import torch
 from transformers import DynamicCache
@@ -78,6 +79,8 @@ class FillSettings:
     sparse_keep: float = 1.0
     block: int = 64
     resume: int | None = None
+
+    MAPS_AT: ClassVar[str] = "split"  # the settings field the maps' split must match
 
     @property
     def dense_below(self) -> int:

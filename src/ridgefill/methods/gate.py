@@ -3,9 +3,11 @@
 What it is: layers below the gate layer run on every row (optionally with block-sparse attention,
 `sparse_keep` < 1). At the gate layer, every token is scored by the attention the prompt's last
 `query_last` tokens pay it (methods/select.py, the signal GemFilter and MInference's last-queries
-index use); the highest-scoring blocks of `block` tokens, the sinks, a local window before the
-tail (widened, where a sliding-window layer sits above the gate, to the window that layer's cache
-keeps) and the tail itself continue; the other rows stop there. From the gate layer up, the kept
+index use; optionally paid at a deeper layer, on the ridge map's prediction of that layer's input
+from the gate layer's state, and pooled over neighbouring tokens); the highest-scoring blocks of
+`block` tokens, the sinks, a local window before the tail (widened, where a sliding-window layer
+sits above the gate, to the window that layer's cache keeps) and the tail itself continue; the
+other rows stop there. From the gate layer up, the kept
 rows attend only to each other (dense attention over the kept subset, which is block-sparse
 attention whose kept blocks are the gate's).
 
@@ -26,14 +28,16 @@ import functools
 import json
 from dataclasses import asdict, dataclass, replace
 from importlib import resources
+from typing import ClassVar
 
 import torch
 from transformers import DynamicCache
 
 from ridgefill.engine import Engine, LowerState, Plan, PrefillResult
 from ridgefill.errors import RidgefillError
+from ridgefill.fit.maps import FillMaps
 from ridgefill.methods.lower import check_fraction, run_lower, sliding_rows
-from ridgefill.methods.select import pick_spans, sentence_ends, token_scores, top_blocks
+from ridgefill.methods.select import check_score_maps, pick_spans, row_scores, sentence_ends, top_blocks
 from ridgefill.models import hf
 
 
@@ -58,7 +62,14 @@ class GateSettings:
             methods/select.py `pick_spans`), best first, until the keep budget is spent. A
             sentence (a needle) then survives whole however the blocks fall.
         window: tokens of a span around each peak, with `sentence`.
+        score_layer: None scores with the gate layer's own attention. A deeper layer scores with
+            that layer's attention, computed on its input as the ridge maps fitted at split
+            `gate_layer` predict it from the gate layer's state (read or fitted like RidgeFill's).
+            Early layers attend by surface form; a deeper layer's queries find the needle.
+        pool: each token's score is averaged over this many neighbouring tokens (odd; 1: none).
     """
+
+    MAPS_AT: ClassVar[str] = "gate_layer"  # the settings field the maps' split must match
 
     gate_layer: int | None = None
     keep: float = 0.25
@@ -71,6 +82,8 @@ class GateSettings:
     min_length: int | None = None
     sentence: int = 0
     window: int = 16
+    score_layer: int | None = None
+    pool: int = 1
 
     @property
     def dense_below(self) -> int | None:
@@ -84,6 +97,11 @@ class GateSettings:
     def reads_sentences(self) -> bool:
         """Whether these settings find sentence ends, which reads the tokenizer's vocabulary."""
         return self.sentence > 0
+
+    @property
+    def reads_maps(self) -> str | None:
+        """The kind of fitted maps these settings read: ridge maps to score at a deeper layer."""
+        return None if self.score_layer is None else "ridge"
 
     def at(self, num_layers: int) -> GateSettings:
         """These settings with the gate layer resolved for a model of `num_layers` layers."""
@@ -99,6 +117,12 @@ class GateSettings:
             raise RidgefillError("block, tail and query_last must be >= 1; sink and local >= 0")
         if self.sentence < 0 or self.window < 1:
             raise RidgefillError("sentence must be >= 0 and window >= 1")
+        if self.score_layer is not None and not g < self.score_layer < num_layers:
+            raise RidgefillError(
+                f"score_layer {self.score_layer} must be above the gate layer {g} and below {num_layers}"
+            )
+        if self.pool < 1 or self.pool % 2 == 0:
+            raise RidgefillError(f"pool must be an odd number of tokens >= 1, got {self.pool}")
 
 
 @functools.cache
@@ -124,6 +148,7 @@ def prefill_tokengate(
     engine: Engine,
     input_ids: torch.Tensor,
     settings: GateSettings | None = None,
+    maps: FillMaps | None = None,
     *,
     logit_rows: torch.Tensor | None = None,
     lower: LowerState | None = None,
@@ -132,6 +157,7 @@ def prefill_tokengate(
     """TokenGate prefill of a (1, N) prompt; see the module docstring.
 
     Args:
+        maps: ridge maps fitted at split `gate_layer`, read only with `score_layer`.
         logit_rows: positions whose logits to return (must be kept rows); default the last.
         lower: dense layers already run on this prompt, reused when below the gate.
         cache: an empty stock cache to fill (default: a new one).
@@ -141,6 +167,9 @@ def prefill_tokengate(
     s.check(parts.num_layers)
     n = engine.check_prompt(input_ids)
     g = s.layer(parts.num_layers)
+    if s.score_layer is not None:
+        check_score_maps(maps, g, s.score_layer)
+        maps.check_model(engine.lm)
     min_length = length_threshold(engine.lm.name) if s.min_length is None else s.min_length
     local = max(s.local, sliding_rows(engine, g) - s.tail)  # widened to cover a sliding window
     ran = {**asdict(s), "gate_layer": g, "min_length": min_length, "local_kept": local}
@@ -150,7 +179,7 @@ def prefill_tokengate(
     st, pairs = run_lower(engine, input_ids, g, s.sparse_keep, s.block, lower)
     t0, a1 = engine.clock(), engine.attn_seconds
     cache = engine.cache_from(st.kv, into=cache)
-    scores = token_scores(engine, g, st.h, st.tables, s.query_last)
+    scores = row_scores(engine, g, st.h, st.tables, s.query_last, maps=maps, score_layer=s.score_layer, pool=s.pool)
     always = always_kept(n, s.sink, local, s.tail, engine.device)
     budget = max(0, int(s.keep * n) - int(always.sum()))
     if s.reads_sentences:

@@ -26,7 +26,8 @@ class MethodInfo:
         run: (engine, input_ids, settings, maps, *, logit_rows, lower, cache) -> PrefillResult.
         settings: its settings class (None: it takes no settings).
         defaults: settings values that make it this method (gated-ridge is ridge with these).
-        maps: the kind of fitted maps it reads (None: none).
+        maps: the kind of fitted maps it always reads (None: none, or only as its settings say:
+            `reads_maps` on the settings class).
         about: one line for `--help` and errors.
     """
 
@@ -51,8 +52,8 @@ def _fill(method: str, label: str) -> Callable[..., PrefillResult]:
     return run
 
 
-def _gate(engine: Engine, input_ids: torch.Tensor, settings: GateSettings, maps: None, **rows: Any) -> PrefillResult:
-    return prefill_tokengate(engine, input_ids, settings, **rows)
+def _gate(engine: Engine, input_ids: torch.Tensor, settings: GateSettings, maps, **rows: Any) -> PrefillResult:
+    return prefill_tokengate(engine, input_ids, settings, maps, **rows)
 
 
 _ABOUT = {

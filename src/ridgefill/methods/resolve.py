@@ -308,17 +308,24 @@ def _resolve(
     resolved = info.settings(**{**info.defaults, **values})
     resolved.check(lm.num_layers)
     resolved = resolved.at(lm.num_layers)
-    if info.maps is None:
+    kind = _reads_maps(info, resolved)
+    if kind is None:
         return Prefill(label, name, resolved)
-    found = _maps_for(lm, info.maps, resolved.split, maps, fit_missing, corpus)
-    if found.split != resolved.split:
-        if asked.get("split") is not None:
+    at = resolved.MAPS_AT  # the settings field the maps' split must match: split or gate_layer
+    found = _maps_for(lm, kind, getattr(resolved, at), maps, fit_missing, corpus)
+    if found.split != getattr(resolved, at):
+        if asked.get(at) is not None:
             raise MapError(
-                f"the {info.maps} maps given are for split {found.split}, not the split {resolved.split} asked"
+                f"the {kind} maps given are for split {found.split}, not the {at} {getattr(resolved, at)} asked"
             )
-        resolved = replace(resolved, split=found.split)
+        resolved = replace(resolved, **{at: found.split})
         resolved.check(lm.num_layers)
     return Prefill(label, name, resolved, found)
+
+
+def _reads_maps(info, settings: Settings | None) -> str | None:
+    """The kind of maps a method reads with these settings (None: none)."""
+    return info.maps or getattr(settings, "reads_maps", None)
 
 
 def run_prefill(
@@ -343,8 +350,8 @@ def run_prefill(
         if not isinstance(settings, info.settings):
             raise RidgefillError(f"method {method!r} takes {info.settings.__name__}, not {type(settings).__name__}")
         settings = settings.at(engine.parts.num_layers)
-    if info.maps is None and maps is not None:
-        raise RidgefillError(f"method {method!r} reads no maps")
+    if _reads_maps(info, settings) is None and maps is not None:
+        raise RidgefillError(f"method {method!r} reads no maps with these settings")
     return Prefill(method, method, settings, maps).run(
         engine, input_ids, logit_rows=logit_rows, lower=lower, cache=cache
     )

@@ -9,6 +9,11 @@ the same signal (GemFilter, MInference's last-64-queries index, CacheBlend). Opt
 also covers the sentence around its peak (`reach` tokens either side at most), so a needle longer
 than the window (a UUID is ~40 tokens) runs fully as a whole. What it is not: a token dropper;
 unselected rows are still filled.
+
+The same score serves TokenGate (methods/gate.py), which scores at an early, cheap layer. There
+`row_scores` can score with a deeper layer instead, on the ridge map's prediction of that layer's
+input from the early state (`FillMaps.predict`), and can average each score over its neighbours
+(SnapKV-style pooling) so that a sentence outranks an isolated token.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch
 
 from ridgefill.engine import Engine
 from ridgefill.errors import RidgefillError
+from ridgefill.fit.maps import FillMaps
 
 
 @torch.inference_mode()
@@ -36,6 +42,37 @@ def token_scores(engine: Engine, layer: int, h: torch.Tensor, tables, last: int)
     idx = torch.arange(n, device=att.device)
     att = att.masked_fill(idx[None, :] > idx[qs][:, None], float("-inf")).softmax(-1)
     return att[0].mean(1).amax(0)  # mean over the queries, max over heads
+
+
+def check_score_maps(maps: FillMaps | None, layer: int, score_layer: int) -> None:
+    """Refuse maps that cannot predict `score_layer`'s input from `layer`'s state."""
+    if maps is None or maps.method != "ridge" or maps.split != layer:
+        have = "none" if maps is None else f"{maps.method} maps at split {maps.split}"
+        raise RidgefillError(f"scoring at layer {score_layer} reads ridge maps fitted at split {layer}; given {have}")
+
+
+def row_scores(
+    engine: Engine,
+    layer: int,
+    h: torch.Tensor,
+    tables,
+    last: int,
+    *,
+    maps: FillMaps | None = None,
+    score_layer: int | None = None,
+    pool: int = 1,
+) -> torch.Tensor:
+    """(N,) row scores from `h` (1, N, d), the input of `layer`: `token_scores` at `layer` itself,
+    or, with `score_layer`, at that deeper layer on its input predicted from `h` by `maps` (ridge
+    maps fitted at split `layer`); then averaged over `pool` neighbouring tokens (1: as is)."""
+    if score_layer is None:
+        scores = token_scores(engine, layer, h, tables, last)
+    else:
+        check_score_maps(maps, layer, score_layer)
+        scores = token_scores(engine, score_layer, maps.predict(h, score_layer), tables, last)
+    if pool > 1:
+        scores = torch.nn.functional.avg_pool1d(scores[None, None], pool, 1, pool // 2, count_include_pad=False)[0, 0]
+    return scores
 
 
 SENTENCE_END = (".", "!", "?", "\n")
