@@ -187,6 +187,10 @@ def test_plan_macs():
     gated = Plan(split=1, full=half, filled=0, fill="none", deep_keys=half)
     assert plan_macs(lm.parts, n, gated) < exact_macs(lm.parts, n)
     assert plan_macs(lm.parts, n, replace(everything, lower_pairs=[10])) < exact_macs(lm.parts, n)
+    # Scoring at a predicted layer maps every row (d + 1 by d) and projects its keys there.
+    d, lp = lm.parts.hidden_size, lm.parts.layers[2]
+    extra = n * ((d + 1) * d + d * lp.num_kv_heads * lp.head_dim)
+    assert plan_macs(lm.parts, n, replace(gated, score_layer=2)) == plan_macs(lm.parts, n, gated) + extra
 
 
 def test_server_offers_tokengate_and_gated_ridge_with_maps(tmp_path):

@@ -4,7 +4,8 @@ What it is: per-layer counts of projections, MLP, attention (keys actually visib
 causal and sliding-window masks, or kept by a sparse kernel) and fill maps, for exact and for
 the plan of what a skipping method ran (fill, gate). The ratio exact / method is the speedup
 bound a perfect implementation would reach. What it is not: a timer; norms, RoPE, softmax and
-the gate's scoring are left out as lower-order terms.
+the gate's scoring are left out as lower-order terms (except a gate's scoring at a predicted
+deeper layer, which maps and projects every row).
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ def plan_macs(parts: ModelParts, n: int, plan: Plan) -> int:
     lower_pairs = list(plan.lower_pairs or [])
     resume = plan.resume or len(parts.layers)
     total = n_fill * (d + 1) * d if fill == "ridge" and resume < len(parts.layers) else 0  # resume's input
+    if plan.score_layer is not None:  # every row's predicted input of the score layer, and its keys
+        total += n * ((d + 1) * d + layer_costs(parts, plan.score_layer)["kv"] // 2)
     for i, lp in enumerate(parts.layers):
         c = layer_costs(parts, i)
         per_attn_pair = lp.num_heads * lp.head_dim * 2

@@ -39,6 +39,8 @@ class Plan:
         lower_pairs: visible query-key pairs per lower full-attention layer under a block-sparse
             kernel; None when the lower layers ran densely.
         resume: layers from it up ran every kept row again; None when none did.
+        score_layer: the deeper layer a gate scored with, on every row's predicted input (a map
+            GEMM and that layer's K projection per row); None when it scored at its own layer.
     """
 
     split: int
@@ -48,6 +50,7 @@ class Plan:
     deep_keys: torch.Tensor | None = None
     lower_pairs: list[int] | None = None
     resume: int | None = None
+    score_layer: int | None = None
 
 
 @dataclass

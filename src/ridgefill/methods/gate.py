@@ -201,7 +201,9 @@ def prefill_tokengate(
         st.seconds + engine.clock() - t0,
         "tokengate",
         ran_exact=False,
-        plan=Plan(split=g, full=kpos, filled=0, fill="none", deep_keys=kpos, lower_pairs=pairs),
+        plan=Plan(
+            split=g, full=kpos, filled=0, fill="none", deep_keys=kpos, lower_pairs=pairs, score_layer=s.score_layer
+        ),
         attn_seconds=st.attn_seconds + engine.attn_seconds - a1,
         settings=ran,
         diagnostics={"row_scores": scores, "score_candidates": ~always},  # eval's needle rank
