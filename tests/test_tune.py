@@ -32,6 +32,37 @@ def test_grid_covers_splits_tails_and_knobs():
     assert "ridge@10:tail=256:query_rows=512:query_sentence=64" in [c.label for c in sent]
 
 
+def test_grid_adds_token_gates_that_read_maps_only_to_score():
+    from ridgefill.methods.gate import GateSettings
+    from ridgefill.tune.space import maps_split
+
+    gates = (GateSettings(keep=0.3, sentence=64, score_layer=14), GateSettings(gate_layer=10, pool=7))
+    cands = grid(Space(splits=(15,), query_rows=(0,), drops=(), sparse_keeps=(1.0,), gates=gates), 30)
+    by = {c.label: c for c in cands}
+    assert "tokengate@7:keep=0.3:sentence=64:score_layer=14" in by and "tokengate@10:keep=0.25:pool=7" in by
+    scored, pooled = by["tokengate@7:keep=0.3:sentence=64:score_layer=14"], by["tokengate@10:keep=0.25:pool=7"]
+    assert (scored.lower, scored.maps_split) == (7, 7) and (pooled.lower, pooled.maps_split) == (10, None)
+    assert by["ridge@15:tail=256"].maps_split == by["ridge@15:tail=256"].lower == 15
+    assert maps_split("gated-ridge", {"split": 12}) == 12 and maps_split("identity", {"split": 12}) is None
+    with pytest.raises(RidgefillError, match="score_layer 5 must be above the gate layer 7"):
+        grid(Space(splits=(15,), gates=(GateSettings(score_layer=5),)), 30)
+
+
+def test_tune_cli_takes_token_gates_and_refuses_other_methods():
+    from ridgefill.cli.tune import gate_candidates
+    from ridgefill.methods.gate import GateSettings
+
+    assert gate_candidates("tokengate:keep=0.3:score_layer=14, tokengate:pool=7") == (
+        GateSettings(keep=0.3, score_layer=14),
+        GateSettings(pool=7),
+    )
+    assert gate_candidates("") == ()
+    with pytest.raises(RidgefillError, match="takes tokengate configurations"):
+        gate_candidates("ridge:tail=512")
+    with pytest.raises(RidgefillError, match="unknown setting 'split'"):
+        gate_candidates("tokengate:split=3")
+
+
 def test_grid_and_config_refuse_bad_values():
     with pytest.raises(RidgefillError, match="nothing to fill"):
         grid(Space(splits=(29,)), 30)
@@ -134,6 +165,35 @@ def test_search_pairs_against_exact_and_bundle_round_trips(smollm2, smollm2_maps
         resolve_prefill(smollm2, "tuned", maps=smollm2_maps / "smollm2-135m.ridge.s15.safetensors")
     with pytest.raises(MapError, match="no tuned bundle"):
         resolve_prefill(smollm2, "tuned", maps=tmp_path / "missing")
+
+
+@pytest.mark.slow
+def test_search_can_choose_a_token_gate_and_its_bundle_resolves(smollm2, smollm2_maps, tmp_path):
+    """A gate that keeps every row (scoring at a predicted deeper layer) equals exact and is chosen
+    over plain ridge under near-zero budgets; its bundle carries the gate layer's maps, and a gate
+    that reads no maps still makes a bundle (with any split's maps)."""
+    from ridgefill.fit.maps import find_maps
+    from ridgefill.methods import resolve_prefill
+    from ridgefill.methods.gate import GateSettings
+    from ridgefill.tune.bundle import write_bundle
+    from ridgefill.tune.search import run_search, tuning_set
+
+    cfg = TuneConfig(budget_niah=0.0, budget_ppl=0.01, length=512, samples=1, ppl_docs=1, ppl_tail=64)
+    keep_all = GateSettings(gate_layer=15, keep=1.0, score_layer=20, pool=3, min_length=0)
+    cands = [Candidate("ridge", FillSettings(split=15, tail=128)), Candidate("tokengate", keep_all)]
+    maps = {15: find_maps(smollm2, "ridge", 15, smollm2_maps)}
+    prompts, docs = tuning_set(smollm2, cfg)
+    res = run_search(smollm2, cfg, cands, maps, prompts, docs)
+    rows = {r["label"]: r for r in res["candidates"]}
+    assert res["chosen"] == cands[1].label and rows[res["chosen"]]["method"] == "tokengate"
+    gate = rows[res["chosen"]]
+    assert abs(gate["ppl_increase_pct"]) < 0.01 and gate["niah_loss"] == 0 and gate["niah_samples"] == 4
+    path = write_bundle(maps[15], {"method": "tokengate", "settings": gate["settings"]}, tmp_path / "g.safetensors")
+    pre = resolve_prefill(smollm2, "tuned", maps=path)
+    assert pre.method == "tokengate" and pre.settings == keep_all and pre.maps.split == 15
+    own = {"method": "tokengate", "settings": {"gate_layer": 7, "keep": 0.5}}
+    pre = resolve_prefill(smollm2, "tuned", maps=write_bundle(maps[15], own, tmp_path / "h.safetensors"))
+    assert pre.method == "tokengate" and pre.maps is None and pre.settings.gate_layer == 7
 
 
 @pytest.mark.slow

@@ -34,6 +34,22 @@ def _maps_for(lm, splits: list[int], args: argparse.Namespace) -> dict:
     return maps
 
 
+def gate_candidates(text: str) -> tuple:
+    """`--gates`: comma-separated tokengate configurations (`tokengate:keep=0.3:sentence=64`)."""
+    from ridgefill.errors import RidgefillError
+    from ridgefill.methods.gate import GateSettings
+    from ridgefill.methods.resolve import check_values, parse_method
+
+    out = []
+    for spec in filter(None, (t.strip() for t in text.split(","))):
+        name, values = parse_method(spec)
+        if name != "tokengate":
+            raise RidgefillError(f"--gates takes tokengate configurations (tokengate:key=value...), not {spec!r}")
+        check_values(name, GateSettings, values)
+        out.append(GateSettings(**values))
+    return tuple(out)
+
+
 def per_length(samples: int, lengths: tuple[int, ...], length: int) -> int:
     """Samples at `length`: fewer where a sample costs more (in proportion to the shortest length,
     at least 2), so each length's search costs about the same."""
@@ -64,6 +80,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         floats(args.drops),
         floats(args.sparse_keeps),
         query_sentence=args.query_sentence,
+        gates=gate_candidates(args.gates),
     )
     base_cfg = TuneConfig(
         budget_niah=args.budget_niah,
@@ -78,7 +95,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     )
     base_cfg.check()
     candidates = grid(space, lm.num_layers)
-    maps = _maps_for(lm, sorted({c.settings.split for c in candidates}), args)
+    maps = _maps_for(lm, sorted({c.maps_split for c in candidates if c.maps_split is not None}), args)
     cfgs = {
         n: replace(
             base_cfg,
@@ -145,6 +162,7 @@ def _write_tuned(lm, args, lengths, done: dict, maps: dict, cfg, bounds) -> int:
     from ridgefill.fit.maps import default_maps_dir
     from ridgefill.results import command_line
     from ridgefill.tune.bundle import tuned_path, write_bundle
+    from ridgefill.tune.space import maps_split
 
     entries = []
     for n, up_to in zip(lengths, bounds, strict=True):
@@ -185,7 +203,9 @@ def _write_tuned(lm, args, lengths, done: dict, maps: dict, cfg, bounds) -> int:
     if len(entries) == 1:  # one length: the configuration holds for every length
         tuned = {**{k: v for k, v in entries[0].items() if k != "up_to"}, **tuned}
         del tuned["by_length"]
-    split = fills[0]["settings"]["split"]
+    # The bundle is a map file: it carries the first chosen configuration's maps (any split's when
+    # every chosen configuration is a gate that reads none).
+    split = next((s for e in fills if (s := maps_split(e["method"], e["settings"])) is not None), min(maps))
     path = write_bundle(maps[split], tuned, args.bundle or tuned_path(lm, args.maps))
     print(
         f"tuned bundle -> {path}\n"
@@ -222,6 +242,12 @@ def tune_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--drops", default="0.5,0.75", help="fractions of bulk rows dropped from the deep layers")
     p.add_argument("--sparse-keeps", default="1,0.5", help="key-block fractions below the split (1: dense)")
+    p.add_argument(
+        "--gates",
+        default="",
+        help="tokengate configurations measured beside the fills, comma-separated "
+        "(tokengate:sentence=64:score_layer=14); one that scores at a deeper layer reads ridge maps at its gate layer",
+    )
     p.add_argument("--wave", type=int, default=12, help="NIAH-stage candidates at a time, fastest first")
     p.add_argument("--maps", type=Path, default=None, help="map folder (default: the model's cache folder)")
     p.add_argument("--corpus", default=None, help="text for fitting and tuning (held-out split is used)")

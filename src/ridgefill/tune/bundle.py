@@ -13,18 +13,19 @@ from pathlib import Path
 
 from ridgefill.errors import MapError
 from ridgefill.fit.maps import FillMaps, save_maps
-from ridgefill.methods.registry import get_method
 from ridgefill.methods.tuned import buckets, shipped_defaults, tuned_path
+from ridgefill.tune.space import maps_split
 
 __all__ = ["shipped_defaults", "tuned_path", "write_bundle"]
 
 
 def write_bundle(maps: FillMaps, tuned: dict, path: Path) -> Path:
     """Save `maps` with `tuned` added to the header: one configuration (`method`, `settings`) or
-    length buckets (`by_length`, methods/tuned.py), one of which must read these maps' split.
-    Buckets at other splits read the maps in `tuned["maps_folder"]` (the tuner records it)."""
-    entries = [e for e in buckets(tuned, str(path)) if get_method(e.method).maps == maps.method]
-    if not any(e.settings.get("split") == maps.split for e in entries):
+    length buckets (`by_length`, methods/tuned.py), one of which must read these maps' split
+    unless none reads maps (token gates scoring at their own layer). Buckets at other splits read
+    the maps in `tuned["maps_folder"]` (the tuner records it)."""
+    entries = [e for e in buckets(tuned, str(path)) if maps_split(e.method, e.settings) is not None]
+    if entries and not any(maps_split(e.method, e.settings) == maps.split for e in entries):
         splits = sorted({e.settings.get("split") for e in entries}, key=str)
         raise MapError(f"the tuned split(s) {splits} do not include the maps' split {maps.split}")
     return save_maps(FillMaps(maps.method, maps.split, maps.weights, {**maps.header, "tuned": tuned}), path)

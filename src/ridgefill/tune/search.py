@@ -131,7 +131,7 @@ LowerKey = tuple[int, float, int]  # (split, sparse_keep, block); dense states h
 
 def _lower_key(c: Candidate) -> LowerKey:
     s = c.settings
-    return (s.split, 1.0, 0) if s.sparse_keep >= 1 else (s.split, s.sparse_keep, s.block)
+    return (c.lower, 1.0, 0) if s.sparse_keep >= 1 else (c.lower, s.sparse_keep, s.block)
 
 
 def _lowers(
@@ -174,7 +174,8 @@ def run_search(
 ) -> dict:
     """Both stages; returns exact's figures, one row per candidate and the chosen label (or None).
 
-    `maps[split]`: ridge maps for every candidate split. `progress(n, stage, remaining=None)` is
+    `maps[split]`: ridge maps for every split a candidate reads (`Candidate.maps_split`).
+    `progress(n, stage, remaining=None)` is
     called after each run (exact or candidate) with the number of runs just done; at the start of
     each NIAH wave, `remaining` estimates the runs left (waves shrink the first estimate).
     `checkpoint(result)` receives the result so far (`complete` False) after the perplexity stage
@@ -195,9 +196,10 @@ def run_search(
     t0 = time.perf_counter()
 
     def prefill(c: Candidate, ids: torch.Tensor, lower: dict[LowerKey, LowerState], rows: torch.Tensor | None = None):
-        s = c.settings
-        m = maps[s.split] if c.method != "identity" else None
-        return run_prefill(engine, ids, c.method, settings=s, maps=m, lower=lower[_lower_key(c)], logit_rows=rows)
+        m = None if c.maps_split is None else maps[c.maps_split]
+        return run_prefill(
+            engine, ids, c.method, settings=c.settings, maps=m, lower=lower[_lower_key(c)], logit_rows=rows
+        )
 
     # Stage 1: tail perplexity and speed on every candidate.
     exact_nll = []

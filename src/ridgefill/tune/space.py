@@ -1,28 +1,44 @@
-"""The tuner's search space: ridge fill configurations over split, tail and the retrieval knobs.
+"""The tuner's search space: ridge fill configurations over split, tail and the retrieval knobs,
+and the token gates it may choose instead.
 
-What it is: `Candidate` (a fill method and its `FillSettings`, with a stable label) and `grid`,
-which crosses splits, tails, query-aware full rows and drop fractions into a list of
-candidates. What it is not: the search loop (tune/search.py).
+What it is: `Candidate` (a method and its settings, with a stable label) and `grid`, which crosses
+splits, tails, query-aware full rows and drop fractions (ridge; with a drop, the three-tier
+gated-ridge) and adds the given `tokengate` configurations. What it is not: the search loop
+(tune/search.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from ridgefill.errors import RidgefillError
 from ridgefill.methods.fill import FillSettings
+from ridgefill.methods.gate import GateSettings
 
 
 @dataclass(frozen=True)
 class Candidate:
     """One configuration the tuner measures."""
 
-    method: str  # a fill method ("ridge" or "identity")
-    settings: FillSettings
+    method: str  # "ridge" or "identity" with FillSettings, or "tokengate" with GateSettings
+    settings: FillSettings | GateSettings
+
+    @property
+    def lower(self) -> int:
+        """The layer where it departs from exact: the split, or the gate layer."""
+        return getattr(self.settings, self.settings.MAPS_AT)
+
+    @property
+    def maps_split(self) -> int | None:
+        """The split of the ridge maps it reads (None: it reads none)."""
+        return maps_split(self.method, vars(self.settings))
 
     @property
     def label(self) -> str:
         s = self.settings
+        if isinstance(s, GateSettings):
+            changed = [f"{f.name}={getattr(s, f.name):g}" for f in fields(s) if _gate_label_field(s, f)]
+            return ":".join([f"{self.method}@{s.gate_layer}", f"keep={s.keep:g}", *changed])
         parts = [f"{self.method}@{s.split}", f"tail={s.tail}"]
         if s.query_rows:
             parts.append(f"query_rows={s.query_rows}")
@@ -33,6 +49,20 @@ class Candidate:
         if s.sparse_keep < 1:
             parts.append(f"sparse_keep={s.sparse_keep:g}")
         return ":".join(parts)
+
+
+def _gate_label_field(s: GateSettings, f) -> bool:
+    return f.name not in ("gate_layer", "keep") and getattr(s, f.name) not in (f.default, None)
+
+
+def maps_split(method: str, settings: dict) -> int | None:
+    """The split of the ridge maps a method reads with these settings (None: none): the fill's
+    split, or the gate layer of a gate that scores at a predicted deeper layer."""
+    if method in ("ridge", "gated-ridge"):
+        return settings["split"]
+    if method == "tokengate" and settings.get("score_layer") is not None:
+        return settings["gate_layer"]
+    return None
 
 
 @dataclass(frozen=True)
@@ -46,6 +76,7 @@ class Space:
     sparse_keeps: tuple[float, ...] = (1.0, 0.5)
     sink: int = 4
     query_sentence: int = 0  # query spans also cover their peak's sentence, this far either side (0: off)
+    gates: tuple[GateSettings, ...] = ()  # token gates measured beside the fills
 
     def resolved_splits(self, num_layers: int) -> tuple[int, ...]:
         if self.splits:
@@ -55,7 +86,7 @@ class Space:
 
 def grid(space: Space, num_layers: int) -> list[Candidate]:
     """Every split with plain ridge (the reference), then split x tail x query rows x drop x
-    sparse_keep (block-sparse attention in the layers below the split).
+    sparse_keep (block-sparse attention in the layers below the split), then each token gate.
 
     A drop without query rows is left out: it removes rows by the same score that picks the query
     rows, so without them it only loses information (measured on SmolLM2, docs/results.md).
@@ -85,4 +116,7 @@ def grid(space: Space, num_layers: int) -> list[Candidate]:
                         )
                         s.check(num_layers)
                         out.append(Candidate("ridge", s))
+    for g in space.gates:
+        g.check(num_layers)
+        out.append(Candidate("tokengate", g.at(num_layers)))
     return list({c.label: c for c in out}.values())
