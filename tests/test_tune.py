@@ -217,6 +217,8 @@ def test_tune_cli_writes_results_plot_and_a_bundle_generate_reads(smollm2_maps, 
         "4096",
         "--drops",
         "",
+        "--sparse-keeps",
+        "1",  # one candidate within the budgets: the choice must not hang on two candidates' timing
         "--budget-ppl",
         "1",
         "--budget-niah",
