@@ -301,6 +301,30 @@ def test_query_rows_find_the_rows_the_question_attends_to(fitted):
         FillSettings(split=1, query_rows=-1).check(3)
 
 
+def test_query_pool_chooses_spans_on_pooled_scores(fitted):
+    """With query_pool the spans (and eval's needle rank) read each score averaged over neighbours."""
+    from ridgefill.methods.select import pick_spans, pool_scores, token_scores
+
+    lm, _, _ = fitted
+    ids = _ids(96)
+    eng = Engine(lm)
+    st = eng.run_lower(ids, 1)
+    raw = token_scores(eng, 1, st.h, st.tables, last=8)
+    pooled = pool_scores(raw, 5)
+    loop = torch.stack([raw[max(0, i - 2) : i + 3].mean() for i in range(96)])
+    torch.testing.assert_close(pooled, loop)
+    s = FillSettings(split=1, sink=2, tail=8, outlier_factor=None, query_rows=8, query_window=8, query_last=8)
+    res = run_prefill(eng, ids, "ridge", maps=fitted[1]["ridge"], settings=replace(s, query_pool=5))
+    torch.testing.assert_close(res.diagnostics["row_scores"], pooled)
+    cand = torch.ones(96, dtype=torch.bool)
+    cand[:2] = cand[88:] = False
+    want = pick_spans(pooled, cand, 8, 8) | ~cand
+    assert res.plan.full.tolist() == want.nonzero().squeeze(1).tolist()
+    for bad in (0, 2):
+        with pytest.raises(RidgefillError, match="query_pool must be an odd"):
+            replace(s, query_pool=bad).check(3)
+
+
 def test_method_variants_parse_into_settings(fitted):
     import argparse
 

@@ -30,6 +30,9 @@ def test_grid_covers_splits_tails_and_knobs():
     sent = grid(Space(splits=(10,), query_rows=(0, 512), query_sentence=64), 30)
     assert {(c.settings.query_rows > 0, c.settings.query_sentence) for c in sent} == {(False, 0), (True, 64)}
     assert "ridge@10:tail=256:query_rows=512:query_sentence=64" in [c.label for c in sent]
+    pooled = grid(Space(splits=(10,), query_rows=(0, 512), drops=(), sparse_keeps=(1.0,), query_pool=7), 30)
+    assert {(c.settings.query_rows > 0, c.settings.query_pool) for c in pooled} == {(False, 1), (True, 7)}
+    assert "ridge@10:tail=256:query_rows=512:query_pool=7" in [c.label for c in pooled]
 
 
 def test_grid_adds_token_gates_that_read_maps_only_to_score():

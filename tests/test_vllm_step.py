@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ridgefill.methods.fill import FillSettings
@@ -39,6 +41,23 @@ def test_a_decode_only_step_is_the_stock_forward_and_outliers_run_fully():
     stream[100] *= 50  # a massive activation
     rows = split_rows(prompt_step(positions, qsl, plens), FillSettings(sink=4, tail=16), stream)
     assert 100 in rows.full.tolist() and 101 in rows.bulk.tolist()
+
+
+def test_query_pool_prefers_a_sentence_to_a_lone_spike():
+    positions, qsl, plens = step_of([(0, 200)], [200])
+    plan = prompt_step(positions, qsl, plens)
+    s = FillSettings(sink=0, tail=8, outlier_factor=None, query_rows=8, query_window=8)
+
+    def scores(a: int, b: int) -> torch.Tensor:
+        sc = torch.zeros(b - a)
+        sc[50] = 1.0  # one token
+        sc[120:127] = 0.5  # a sentence the question attends to throughout
+        return sc
+
+    plain = split_rows(plan, s, torch.ones(200, 8), scores)
+    pooled = split_rows(plan, replace(s, query_pool=7), torch.ones(200, 8), scores)
+    assert 50 in plain.full.tolist() and 123 not in plain.full.tolist()
+    assert 123 in pooled.full.tolist() and 50 not in pooled.full.tolist()
 
 
 def test_query_rows_pick_spans_only_for_prompts_scheduled_whole():

@@ -80,6 +80,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         floats(args.drops),
         floats(args.sparse_keeps),
         query_sentence=args.query_sentence,
+        query_pool=args.query_pool,
         gates=gate_candidates(args.gates),
     )
     base_cfg = TuneConfig(
@@ -239,6 +240,9 @@ def tune_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--query-rows", default="512", help="query-aware full rows (comma-separated)")
     p.add_argument(
         "--query-sentence", type=int, default=0, help="query spans cover their peak's sentence (N tokens each side)"
+    )
+    p.add_argument(
+        "--query-pool", type=int, default=1, help="query scores averaged over N neighbouring tokens (odd; 1: none)"
     )
     p.add_argument("--drops", default="0.5,0.75", help="fractions of bulk rows dropped from the deep layers")
     p.add_argument("--sparse-keeps", default="1,0.5", help="key-block fractions below the split (1: dense)")

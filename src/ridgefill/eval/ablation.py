@@ -22,7 +22,18 @@ from ridgefill.methods import FillSettings, get_method, parse_method
 # A fill field a results file predates is read at its default (which is what those runs computed).
 FILL_DEFAULTS = {f.name: f.default for f in fields(FillSettings)}
 
-KNOBS = ("split", "tail", "sink", "query_rows", "query_window", "query_sentence", "drop", "sparse_keep", "resume")
+KNOBS = (
+    "split",
+    "tail",
+    "sink",
+    "query_rows",
+    "query_window",
+    "query_sentence",
+    "query_pool",
+    "drop",
+    "sparse_keep",
+    "resume",
+)
 
 
 def label_settings(label: str, settings: dict) -> dict:

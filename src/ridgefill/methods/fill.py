@@ -24,7 +24,7 @@ from ridgefill.errors import RidgefillError
 from ridgefill.fit.maps import FillMaps
 from ridgefill.fit.ridge import fit_rows
 from ridgefill.methods.lower import check_fraction, run_lower, sliding_rows
-from ridgefill.methods.select import pick_spans, sentence_ends, token_scores, top_blocks
+from ridgefill.methods.select import check_pool, pick_spans, row_scores, sentence_ends, top_blocks
 from ridgefill.models import hf
 from ridgefill.ops.attention import apply_rope
 
@@ -53,6 +53,8 @@ class FillSettings:
         query_sentence: a query span also covers the sentence around its peak, up to this many
             tokens either side of the peak (sentence ends: tokens holding . ! ? or a newline);
             0 disables.
+        query_pool: each query score is averaged over this many neighbouring tokens before the
+            spans (and `drop`'s blocks) are chosen (odd; 1: none; methods/select.py `pool_scores`).
         drop: the three-tier `gated-ridge`: this fraction of the bulk rows, the lowest-scoring
             blocks of `block` tokens by the same split-layer score, is neither filled nor run in
             the deep layers (absent from their cache, as in methods/gate.py); 0 disables. Rows
@@ -75,6 +77,7 @@ class FillSettings:
     query_window: int = 32
     query_last: int = 64
     query_sentence: int = 0
+    query_pool: int = 1
     drop: float = 0.0
     sparse_keep: float = 1.0
     block: int = 64
@@ -103,6 +106,7 @@ class FillSettings:
             raise RidgefillError("sink must be >= 0 and tail >= 1 (the last token always runs fully)")
         if self.query_rows < 0 or self.query_window < 1 or self.query_last < 1 or self.query_sentence < 0:
             raise RidgefillError("query_rows and query_sentence must be >= 0, query_window and query_last >= 1")
+        check_pool("query_pool", self.query_pool)
         if not 0 <= self.drop < 1 or self.block < 1:
             raise RidgefillError(f"drop must be in [0, 1) and block >= 1, got drop {self.drop}, block {self.block}")
         check_fraction("sparse_keep", self.sparse_keep)
@@ -217,7 +221,7 @@ def prefill_fill(
     bulk = ~full
     diagnostics = {}
     if s.query_rows or s.drop:
-        scores = token_scores(engine, s.split, h, tables, s.query_last)
+        scores = row_scores(engine, s.split, h, tables, s.query_last, pool=s.query_pool)
         diagnostics = {"row_scores": scores, "score_candidates": bulk}  # eval's needle rank
         if s.query_rows:
             ends = sentence_ends(engine, input_ids) if s.reads_sentences else None

@@ -37,7 +37,14 @@ from ridgefill.engine import Engine, LowerState, Plan, PrefillResult
 from ridgefill.errors import RidgefillError
 from ridgefill.fit.maps import FillMaps
 from ridgefill.methods.lower import check_fraction, run_lower, sliding_rows
-from ridgefill.methods.select import check_score_maps, pick_spans, row_scores, sentence_ends, top_blocks
+from ridgefill.methods.select import (
+    check_pool,
+    check_score_maps,
+    pick_spans,
+    row_scores,
+    sentence_ends,
+    top_blocks,
+)
 from ridgefill.models import hf
 
 
@@ -121,8 +128,7 @@ class GateSettings:
             raise RidgefillError(
                 f"score_layer {self.score_layer} must be above the gate layer {g} and below {num_layers}"
             )
-        if self.pool < 1 or self.pool % 2 == 0:
-            raise RidgefillError(f"pool must be an odd number of tokens >= 1, got {self.pool}")
+        check_pool("pool", self.pool)
 
 
 @functools.cache

@@ -70,9 +70,20 @@ def row_scores(
     else:
         check_score_maps(maps, layer, score_layer)
         scores = token_scores(engine, score_layer, maps.predict(h, score_layer), tables, last)
-    if pool > 1:
-        scores = torch.nn.functional.avg_pool1d(scores[None, None], pool, 1, pool // 2, count_include_pad=False)[0, 0]
-    return scores
+    return pool_scores(scores, pool)
+
+
+def pool_scores(scores: torch.Tensor, pool: int) -> torch.Tensor:
+    """(N,) each score averaged over the `pool` tokens centred on it (odd; 1: as is; fewer at the
+    ends), so that a sentence the question attends to throughout outranks an isolated token."""
+    if pool <= 1:
+        return scores
+    return torch.nn.functional.avg_pool1d(scores[None, None], pool, 1, pool // 2, count_include_pad=False)[0, 0]
+
+
+def check_pool(name: str, pool: int) -> None:
+    if pool < 1 or pool % 2 == 0:
+        raise RidgefillError(f"{name} must be an odd number of tokens >= 1, got {pool}")
 
 
 SENTENCE_END = (".", "!", "?", "\n")

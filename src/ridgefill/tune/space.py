@@ -44,6 +44,8 @@ class Candidate:
             parts.append(f"query_rows={s.query_rows}")
         if s.query_rows and s.query_sentence:
             parts.append(f"query_sentence={s.query_sentence}")
+        if (s.query_rows or s.drop) and s.query_pool > 1:
+            parts.append(f"query_pool={s.query_pool}")
         if s.drop:
             parts.append(f"drop={s.drop:g}")
         if s.sparse_keep < 1:
@@ -76,6 +78,7 @@ class Space:
     sparse_keeps: tuple[float, ...] = (1.0, 0.5)
     sink: int = 4
     query_sentence: int = 0  # query spans also cover their peak's sentence, this far either side (0: off)
+    query_pool: int = 1  # query scores averaged over this many neighbouring tokens (1: none)
     gates: tuple[GateSettings, ...] = ()  # token gates measured beside the fills
 
     def resolved_splits(self, num_layers: int) -> tuple[int, ...]:
@@ -111,6 +114,7 @@ def grid(space: Space, num_layers: int) -> list[Candidate]:
                             tail,
                             query_rows=q,
                             query_sentence=space.query_sentence if q else 0,
+                            query_pool=space.query_pool if q or drop else 1,
                             drop=drop,
                             sparse_keep=keep,
                         )

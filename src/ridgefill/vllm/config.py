@@ -14,7 +14,8 @@ Keys (all optional but the map file for ridge and kva):
   ridgefill_query_rows      about this many more rows run fully, chosen by the attention the
                             prompt's last tokens pay them at the split layer (0: off); only for
                             prompts scheduled whole in one step (methods/select.py)
-  ridgefill_query_window, ridgefill_query_last, ridgefill_query_sentence   as in FillSettings
+  ridgefill_query_window, ridgefill_query_last, ridgefill_query_sentence, ridgefill_query_pool
+                            as in FillSettings
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ _KEYS = {
     "query_window": int,
     "query_last": int,
     "query_sentence": int,
+    "query_pool": int,
 }
 PREFIX_CACHING = (
     "prefix caching would hand filled K/V to later requests as if exact; turn it off with RidgeFill "
@@ -90,7 +92,7 @@ class VllmFill:
             sink=found.get("sink", _DEFAULTS.sink),
             tail=found.get("tail", _DEFAULTS.tail),
             outlier_factor=None if not factor else float(factor),
-            **{k: found[k] for k in ("query_rows", "query_window", "query_last", "query_sentence") if k in found},
+            **{k: found[k] for k in SETTINGS if k.startswith("query_") and k in found},
         )
         maps_path = found.get("maps")
         if method in ("ridge", "kva") and not maps_path:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from ridgefill.errors import RidgefillError
 from ridgefill.fit.maps import FillMaps
 from ridgefill.methods.fill import FillSettings
-from ridgefill.methods.select import pick_spans
+from ridgefill.methods.select import pick_spans, pool_scores
 
 
 @dataclass
@@ -95,9 +95,9 @@ def split_rows(
     in one step, as in methods/fill.py).
 
     With `settings.query_rows`, `scores(a, b)` gives the (b - a,) split-layer attention score of a
-    whole prompt scheduled at rows [a, b), and the best-scoring spans run fully (methods/select.py;
-    `ends`: (T,) sentence ends for `query_sentence`). A prompt split across steps gets none: its
-    question arrives after its bulk was filled."""
+    whole prompt scheduled at rows [a, b), pooled over `query_pool` tokens, and the best-scoring
+    spans run fully (methods/select.py; `ends`: (T,) sentence ends for `query_sentence`). A
+    prompt split across steps gets none: its question arrives after its bulk was filled."""
     pos, req, qsl = step.pos, step.req, step.qsl
     full = (pos < settings.sink) | (pos >= step.plen - settings.tail)
     if settings.outlier_factor is not None:
@@ -115,7 +115,7 @@ def split_rows(
             a, b = span
             reach = settings.query_sentence if ends is not None else 0
             picked = pick_spans(
-                scores(a, b),
+                pool_scores(scores(a, b), settings.query_pool),
                 ~full[a:b],
                 settings.query_rows,
                 settings.query_window,
