@@ -275,21 +275,30 @@ def test_query_rows_covering_the_prompt_equal_exact(tiny):
     _assert_same(res, eng.prefill_exact(ids), tiny.num_layers)
 
 
-def test_query_rows_find_the_rows_the_question_attends_to(fitted):
-    """The chosen rows are the ones with the most attention from the last queries at the split layer."""
-    from ridgefill.methods.select import pick_spans, token_scores
+# Query rows on a 96-token prompt: 2 sinks and 8 tail rows; the candidates are the rows between.
+QUERY = FillSettings(split=1, sink=2, tail=8, outlier_factor=None, query_rows=8, query_window=8, query_last=8)
+QUERY_CANDIDATES = torch.tensor([False] * 2 + [True] * 86 + [False] * 8)
 
-    lm, _, _ = fitted
+
+def _split_scores(lm):
+    """(engine, ids, raw split-layer scores of the last 8 queries) for the 96-token prompt."""
+    from ridgefill.methods.select import token_scores
+
     ids = _ids(96)
     eng = Engine(lm)
     st = eng.run_lower(ids, 1)
-    scores = token_scores(eng, 1, st.h, st.tables, last=8)
+    return eng, ids, token_scores(eng, 1, st.h, st.tables, last=8)
+
+
+def test_query_rows_find_the_rows_the_question_attends_to(fitted):
+    """The chosen rows are the ones with the most attention from the last queries at the split layer."""
+    from ridgefill.methods.select import pick_spans
+
+    eng, ids, scores = _split_scores(fitted[0])
     assert scores.shape == (96,) and bool((scores >= 0).all()) and float(scores.max()) <= 1.0
-    s = FillSettings(split=1, sink=2, tail=8, outlier_factor=None, query_rows=8, query_window=8, query_last=8)
-    res = run_prefill(eng, ids, "identity", settings=s)
+    res = run_prefill(eng, ids, "identity", settings=QUERY)
     assert len(res.plan.full) == 2 + 8 + 8 and res.plan.filled == 96 - 18
-    cand = torch.ones(96, dtype=torch.bool)
-    cand[:2] = cand[88:] = False
+    cand = QUERY_CANDIDATES
     chosen = pick_spans(scores, cand, 8, 8)
     peak = int(scores.masked_fill(~cand, -1).argmax())
     assert chosen[peak] and chosen.sum() == 8
@@ -303,26 +312,19 @@ def test_query_rows_find_the_rows_the_question_attends_to(fitted):
 
 def test_query_pool_chooses_spans_on_pooled_scores(fitted):
     """With query_pool the spans (and eval's needle rank) read each score averaged over neighbours."""
-    from ridgefill.methods.select import pick_spans, pool_scores, token_scores
+    from ridgefill.methods.select import pick_spans, pool_scores
 
-    lm, _, _ = fitted
-    ids = _ids(96)
-    eng = Engine(lm)
-    st = eng.run_lower(ids, 1)
-    raw = token_scores(eng, 1, st.h, st.tables, last=8)
+    eng, ids, raw = _split_scores(fitted[0])
     pooled = pool_scores(raw, 5)
     loop = torch.stack([raw[max(0, i - 2) : i + 3].mean() for i in range(96)])
     torch.testing.assert_close(pooled, loop)
-    s = FillSettings(split=1, sink=2, tail=8, outlier_factor=None, query_rows=8, query_window=8, query_last=8)
-    res = run_prefill(eng, ids, "ridge", maps=fitted[1]["ridge"], settings=replace(s, query_pool=5))
+    res = run_prefill(eng, ids, "ridge", maps=fitted[1]["ridge"], settings=replace(QUERY, query_pool=5))
     torch.testing.assert_close(res.diagnostics["row_scores"], pooled)
-    cand = torch.ones(96, dtype=torch.bool)
-    cand[:2] = cand[88:] = False
-    want = pick_spans(pooled, cand, 8, 8) | ~cand
+    want = pick_spans(pooled, QUERY_CANDIDATES, 8, 8) | ~QUERY_CANDIDATES
     assert res.plan.full.tolist() == want.nonzero().squeeze(1).tolist()
     for bad in (0, 2):
         with pytest.raises(RidgefillError, match="query_pool must be an odd"):
-            replace(s, query_pool=bad).check(3)
+            replace(QUERY, query_pool=bad).check(3)
 
 
 def test_method_variants_parse_into_settings(fitted):
