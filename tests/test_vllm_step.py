@@ -75,3 +75,12 @@ def test_query_rows_pick_spans_only_for_prompts_scheduled_whole():
     rows = split_rows(plan, s, torch.ones(300, 8), scores)
     assert asked == [(0, 200)]  # request 1's prompt is split across steps
     assert set(range(42, 58)) <= set(rows.full.tolist())
+
+
+def test_every_vllm_setting_has_a_command_line_option():
+    from ridgefill.cli import _parser
+    from ridgefill.vllm.config import SETTINGS
+
+    for argv in (["vllm-serve", "smollm2-135m"], ["vllm-bench", "--model", "smollm2-135m"]):
+        args = _parser().parse_args(argv)
+        assert [k for k in SETTINGS if not hasattr(args, k)] == []

@@ -121,6 +121,7 @@ def vllm_fill_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--query-window", type=int, default=None)
     p.add_argument("--query-last", type=int, default=None)
     p.add_argument("--query-sentence", type=int, default=None, help="spans cover sentences up to N tokens each side")
+    p.add_argument("--query-pool", type=int, default=None, help="scores averaged over N neighbouring tokens")
 
 
 def _parser() -> argparse.ArgumentParser:
