@@ -297,6 +297,20 @@ def test_given_maps_decide_the_default_and_a_settings_object_counts_what_differs
     assert pre.label == "tuned" and pre.for_length(100).maps.split == 1 and pre.for_length(10).method == "exact"
     with pytest.raises(MapError, match="do not include the maps' split 1"):
         write_bundle(maps["ridge"], {"method": "ridge", "settings": {"split": 2}}, tmp_path / "c.safetensors")
+    # A gate scoring at a predicted deeper layer reads the bundle's own maps, fitted at its gate layer.
+    gate = {"method": "tokengate", "settings": {"gate_layer": 1, "score_layer": 2, "keep": 0.5, "min_length": 0}}
+    pre = resolve_prefill(lm, maps=write_bundle(maps["ridge"], gate, tmp_path / "g.safetensors"))
+    assert pre.method == "tokengate" and pre.maps.split == 1 and pre.maps.header["tuned"] == gate
+
+
+def test_the_maps_a_method_reads_follow_from_its_table_entry_and_settings():
+    from ridgefill.methods.registry import maps_read
+
+    assert maps_read("exact", {}) is None and maps_read("identity", {"split": 3}) is None
+    assert maps_read("ridge", {"split": 3}) == ("ridge", 3) and maps_read("kva", {}, 30) == ("kva", 15)
+    assert maps_read("gated-ridge", {}, 30) == ("ridge", 15)
+    assert maps_read("tokengate", {"gate_layer": 4}) is None
+    assert maps_read("tokengate", {"score_layer": 20}, 30) == ("ridge", 7)
 
 
 def test_patch_names_a_local_model_by_its_folder(tmp_path):

@@ -86,3 +86,21 @@ def get_method(name: str) -> MethodInfo:
         raise RidgefillError(
             f"unknown prefill method {name!r}; choose one of {', '.join([*METHODS, 'tuned'])}"
         ) from None
+
+
+def reads_maps(info: MethodInfo, settings: Any) -> str | None:
+    """The kind of fitted maps a method reads with these settings (None: none)."""
+    return info.maps or getattr(settings, "reads_maps", None)
+
+
+def maps_read(method: str, settings: dict[str, Any], num_layers: int | None = None) -> tuple[str, int | None] | None:
+    """(kind, split) of the fitted maps `method` reads with the settings values `settings` (None:
+    it reads none): the fill's split, or the gate layer of a gate scoring at a predicted deeper
+    layer. The split is None where the settings leave it to the model and `num_layers` is not given."""
+    info = get_method(method)
+    if info.settings is None:
+        return None
+    s = info.settings(**{**info.defaults, **settings})
+    s = s if num_layers is None else s.at(num_layers)
+    kind = reads_maps(info, s)
+    return None if kind is None else (kind, getattr(s, s.MAPS_AT))

@@ -22,9 +22,9 @@ from transformers import DynamicCache
 from ridgefill.engine import Engine, LowerState, PrefillResult
 from ridgefill.errors import MapError, RidgefillError
 from ridgefill.fit.maps import FillMaps, default_maps_dir, load_maps, maps_filename
-from ridgefill.methods.fill import FillSettings, default_split
+from ridgefill.methods.fill import FillSettings
 from ridgefill.methods.gate import GateSettings
-from ridgefill.methods.registry import METHODS, get_method
+from ridgefill.methods.registry import METHODS, get_method, maps_read, reads_maps
 from ridgefill.methods.tuned import TUNED, default_method, has_tuned, shipped_defaults, tuned_config, tuned_path
 from ridgefill.models.loading import LoadedModel
 
@@ -279,11 +279,11 @@ def resolve_prefill(
     chosen = []
     for b in cfg.buckets:
         # The bundle carries its own split's maps; a bucket at another split reads the folder's.
-        split = {**b.settings, **values}.get("split")
-        split = default_split(lm.num_layers) if split is None else split
-        own = cfg.maps is not None and split == cfg.maps.split and get_method(b.method).maps == cfg.maps.method
-        where = cfg.maps if own else cfg.folder
         asked = applicable(b.method, values)  # a bucket takes the asked settings its method has
+        check_values(b.method, get_method(b.method).settings, {**b.settings, **asked})
+        read = maps_read(b.method, {**b.settings, **asked}, lm.num_layers)
+        own = cfg.maps is not None and read == (cfg.maps.method, cfg.maps.split)
+        where = cfg.maps if own else cfg.folder
         one = _resolve(lm, label, b.method, {**b.settings, **asked}, asked, where, fit_missing, corpus)
         chosen.append((b.up_to, one))
     first = chosen[0][1]
@@ -308,7 +308,7 @@ def _resolve(
     resolved = info.settings(**{**info.defaults, **values})
     resolved.check(lm.num_layers)
     resolved = resolved.at(lm.num_layers)
-    kind = _reads_maps(info, resolved)
+    kind = reads_maps(info, resolved)
     if kind is None:
         return Prefill(label, name, resolved)
     at = resolved.MAPS_AT  # the settings field the maps' split must match: split or gate_layer
@@ -321,11 +321,6 @@ def _resolve(
         resolved = replace(resolved, **{at: found.split})
         resolved.check(lm.num_layers)
     return Prefill(label, name, resolved, found)
-
-
-def _reads_maps(info, settings: Settings | None) -> str | None:
-    """The kind of maps a method reads with these settings (None: none)."""
-    return info.maps or getattr(settings, "reads_maps", None)
 
 
 def run_prefill(
@@ -350,7 +345,7 @@ def run_prefill(
         if not isinstance(settings, info.settings):
             raise RidgefillError(f"method {method!r} takes {info.settings.__name__}, not {type(settings).__name__}")
         settings = settings.at(engine.parts.num_layers)
-    if _reads_maps(info, settings) is None and maps is not None:
+    if reads_maps(info, settings) is None and maps is not None:
         raise RidgefillError(f"method {method!r} reads no maps with these settings")
     return Prefill(method, method, settings, maps).run(
         engine, input_ids, logit_rows=logit_rows, lower=lower, cache=cache

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from ridgefill.errors import RidgefillError
 from ridgefill.methods.fill import FillSettings
 from ridgefill.methods.gate import GateSettings
+from ridgefill.methods.registry import maps_read
 
 
 @dataclass(frozen=True)
@@ -58,13 +59,9 @@ def _gate_label_field(s: GateSettings, f) -> bool:
 
 
 def maps_split(method: str, settings: dict) -> int | None:
-    """The split of the ridge maps a method reads with these settings (None: none): the fill's
-    split, or the gate layer of a gate that scores at a predicted deeper layer."""
-    if method in ("ridge", "gated-ridge"):
-        return settings["split"]
-    if method == "tokengate" and settings.get("score_layer") is not None:
-        return settings["gate_layer"]
-    return None
+    """The split of the fitted maps a method reads with these settings (None: none)."""
+    read = maps_read(method, settings)
+    return None if read is None else read[1]
 
 
 @dataclass(frozen=True)
