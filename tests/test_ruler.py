@@ -156,6 +156,7 @@ def test_cache_key_names_what_a_record_was_computed_with(monkeypatch):
     assert key(lm) == key(lm)
     assert len({key(lm), key(lm, split=2), key(lm, tail=16), key(make_tiny("llama", dtype=torch.bfloat16))}) == 4
     assert key(lm, query_sentence=16) != key(lm)  # every settings field is part of the key
+    assert key(lm, query_pool=1) == key(lm)  # a field at its default is not, so new fields keep old keys
     # The key carries the cache schema: records written under another one are recomputed.
     before = key(lm)
     monkeypatch.setattr("ridgefill.eval.adapter.CACHE_SCHEMA", CACHE_SCHEMA + 1)

@@ -24,6 +24,7 @@ from ridgefill.eval.ruler import RulerTask
 from ridgefill.fit.maps import calib_info, fingerprint
 from ridgefill.generation import encode_prompt, generate_batch, prompt_text
 from ridgefill.methods import Prefill
+from ridgefill.methods.resolve import changed_settings
 from ridgefill.models.loading import LoadedModel
 
 DECODE = (
@@ -53,13 +54,15 @@ def spec_settings(spec: Prefill) -> dict:
 def config_key(lm: LoadedModel, spec: Prefill) -> str:
     """What a cached record was computed with: model weights, dtype, method, its settings and the
     header of the maps it read. A cache entry is reused only under the same key, so re-running with
-    another split, tail, dtype or refitted maps recomputes instead of reusing stale records."""
+    another split, tail, dtype or refitted maps recomputes instead of reusing stale records.
+    Settings at their defaults are left out, so that adding a setting keeps the records computed
+    without it."""
 
     def computed(p: Prefill) -> dict:
         maps = p.maps
         return {
             "method": p.method,
-            "settings": asdict(p.settings) if p.settings is not None else None,
+            "settings": None if p.settings is None else changed_settings(p.settings),
             "maps": None if maps is None else {"method": maps.method, "split": maps.split, "header": maps.header},
         }
 

@@ -216,11 +216,16 @@ def applicable(spec: str, values: dict[str, Any]) -> dict[str, Any]:
 # ----- the resolver -----
 
 
+def changed_settings(settings: Settings) -> dict[str, Any]:
+    """The fields of a settings object that differ from its class's defaults."""
+    return {f.name: getattr(settings, f.name) for f in fields(settings) if getattr(settings, f.name) != f.default}
+
+
 def _as_values(settings: Settings | dict | None) -> dict[str, Any]:
     if settings is None:
         return {}
     if is_dataclass(settings):  # only what differs from the class defaults counts as asked
-        return {f.name: getattr(settings, f.name) for f in fields(settings) if getattr(settings, f.name) != f.default}
+        return changed_settings(settings)
     if isinstance(settings, dict):
         return dict(settings)
     raise RidgefillError(f"settings must be a settings object or a dict, not {type(settings).__name__}")
