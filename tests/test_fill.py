@@ -327,6 +327,29 @@ def test_query_pool_chooses_spans_on_pooled_scores(fitted):
             replace(QUERY, query_pool=bad).check(3)
 
 
+def test_query_layer_scores_on_the_maps_prediction_of_a_deeper_layer(fitted):
+    """query_layer: the spans are chosen on the scores of that layer's attention over the ridge
+    maps' prediction of its input (reduced over the queries by query_top); ridge only."""
+    from ridgefill.methods.select import pick_spans, row_scores
+
+    lm, maps, _ = fitted
+    eng, ids, _ = _split_scores(lm)
+    s = replace(QUERY, query_layer=2, query_top=2)
+    res = run_prefill(eng, ids, "ridge", maps=maps["ridge"], settings=s)
+    with torch.inference_mode():
+        st = eng.run_lower(ids, 1)
+        want = row_scores(eng, 1, st.h, st.tables, 8, maps=maps["ridge"], score_layer=2, top=2)
+    torch.testing.assert_close(res.diagnostics["row_scores"], want)
+    picked = pick_spans(want, QUERY_CANDIDATES, 8, 8) | ~QUERY_CANDIDATES
+    assert res.plan.full.tolist() == picked.nonzero().squeeze(1).tolist() and res.plan.score_layer == 2
+    with pytest.raises(RidgefillError, match="'identity' makes none"):
+        run_prefill(eng, ids, "identity", settings=s)
+    with pytest.raises(RidgefillError, match="query_layer 1 must be above the split 1"):
+        replace(s, query_layer=1).check(3)
+    with pytest.raises(RidgefillError, match="query_top must be >= 0"):
+        replace(s, query_top=-1).check(3)
+
+
 def test_method_variants_parse_into_settings(fitted):
     import argparse
 

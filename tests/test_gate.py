@@ -301,8 +301,9 @@ def fitted():
     return fit_tiny_llama()
 
 
-def _naive_scores(eng: Engine, layer: int, h: torch.Tensor, last: int, pool: int) -> torch.Tensor:
-    """Row scores computed one head and one query at a time, pooled by an explicit loop."""
+def _naive_scores(eng: Engine, layer: int, h: torch.Tensor, last: int, pool: int, top: int = 0) -> torch.Tensor:
+    """Row scores computed one head and one query at a time (per row, the mean over every query or
+    over its `top` largest weights, sorted explicitly), pooled by an explicit loop."""
     n = h.shape[1]
     lp = eng.parts.layers[layer]
     tables = eng.rope(n, h)
@@ -317,7 +318,10 @@ def _naive_scores(eng: Engine, layer: int, h: torch.Tensor, last: int, pool: int
         for t in range(n - last, n):
             logits = (k[head // group, : t + 1] @ q[head, t]) * lp.scaling
             rows.append(torch.cat([logits.softmax(-1), torch.zeros(n - t - 1)]))
-        per_head.append(torch.stack(rows).mean(0))
+        att = torch.stack(rows)  # (last, N)
+        if top:
+            att = torch.tensor([sorted(att[:, j].tolist(), reverse=True)[:top] for j in range(n)]).T
+        per_head.append(att.mean(0))
     best = torch.stack(per_head).amax(0)
     half = pool // 2
     return torch.stack([best[max(0, i - half) : i + half + 1].mean() for i in range(n)])
@@ -340,6 +344,33 @@ def test_predicted_layer_scores_equal_a_naive_reference(fitted):
         own = row_scores(eng, 1, st.h, st.tables, 6)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     assert not torch.allclose(got, own)  # a deeper layer scores differently from the gate layer
+
+
+def test_scores_from_the_queries_that_attend_most_equal_a_naive_reference(fitted):
+    """query_top: per head, each row's score is the mean of its `top` largest query weights (1: the
+    max); a top as large as the query count is the plain mean. Read by the gate and its checks."""
+    from ridgefill.methods.select import row_scores
+
+    lm, maps, _ = fitted
+    eng = Engine(lm)
+    ids = _ids(50)
+    with torch.inference_mode():
+        st = eng.run_lower(ids, 1)
+        for top in (1, 2):
+            got = row_scores(eng, 1, st.h, st.tables, 6, pool=3, top=top)
+            torch.testing.assert_close(got, _naive_scores(eng, 1, st.h, 6, 3, top), atol=1e-5, rtol=0)
+        got = row_scores(eng, 1, st.h, st.tables, 6, maps=maps["ridge"], score_layer=2, top=2)
+        w = maps["ridge"].weights[2]
+        torch.testing.assert_close(got, _naive_scores(eng, 2, st.h @ w[:-1] + w[-1], 6, 1, 2), atol=1e-5, rtol=0)
+        mean = row_scores(eng, 1, st.h, st.tables, 6)
+        torch.testing.assert_close(row_scores(eng, 1, st.h, st.tables, 6, top=6), mean)
+        assert not torch.allclose(row_scores(eng, 1, st.h, st.tables, 6, top=1), mean)
+        st = eng.run_lower(_ids(64), 1)
+        want = row_scores(eng, 1, st.h, st.tables, 64, top=1)
+    res = run_prefill(eng, _ids(64), "tokengate", settings=_gate(keep=0.5, query_top=1))
+    torch.testing.assert_close(res.diagnostics["row_scores"], want)
+    with pytest.raises(RidgefillError, match="query_top must be >= 0"):
+        _gate(query_top=-1).check(3)
 
 
 def test_gate_scoring_at_a_predicted_layer_keeps_rows_that_run_fully(fitted):

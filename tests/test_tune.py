@@ -33,6 +33,16 @@ def test_grid_covers_splits_tails_and_knobs():
     pooled = grid(Space(splits=(10,), query_rows=(0, 512), drops=(), sparse_keeps=(1.0,), query_pool=7), 30)
     assert {(c.settings.query_rows > 0, c.settings.query_pool) for c in pooled} == {(False, 1), (True, 7)}
     assert "ridge@10:tail=256:query_rows=512:query_pool=7" in [c.label for c in pooled]
+    above = grid(
+        Space(splits=(10, 12), query_rows=(0, 512), drops=(), sparse_keeps=(1.0,), query_above=1, query_top=1), 30
+    )
+    assert {(c.settings.split, c.settings.query_layer, c.settings.query_top) for c in above} == {
+        (10, None, 0),
+        (10, 11, 1),
+        (12, None, 0),
+        (12, 13, 1),
+    }
+    assert "ridge@12:tail=256:query_rows=512:query_layer=13:query_top=1" in [c.label for c in above]
 
 
 def test_grid_adds_token_gates_that_read_maps_only_to_score():

@@ -81,6 +81,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         floats(args.sparse_keeps),
         query_sentence=args.query_sentence,
         query_pool=args.query_pool,
+        query_above=args.query_above,
+        query_top=args.query_top,
         gates=gate_candidates(args.gates),
     )
     base_cfg = TuneConfig(
@@ -243,6 +245,15 @@ def tune_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--query-pool", type=int, default=1, help="query scores averaged over N neighbouring tokens (odd; 1: none)"
+    )
+    p.add_argument(
+        "--query-above",
+        type=int,
+        default=0,
+        help="query scores at the layer N above the split, on the ridge maps' prediction (0: the split's own)",
+    )
+    p.add_argument(
+        "--query-top", type=int, default=0, help="per head, a row's score from the N queries attending most (0: all)"
     )
     p.add_argument("--drops", default="0.5,0.75", help="fractions of bulk rows dropped from the deep layers")
     p.add_argument("--sparse-keeps", default="1,0.5", help="key-block fractions below the split (1: dense)")

@@ -30,6 +30,8 @@ KNOBS = (
     "query_window",
     "query_sentence",
     "query_pool",
+    "query_layer",
+    "query_top",
     "drop",
     "sparse_keep",
     "resume",

@@ -55,6 +55,14 @@ class FillSettings:
             0 disables.
         query_pool: each query score is averaged over this many neighbouring tokens before the
             spans (and `drop`'s blocks) are chosen (odd; 1: none; methods/select.py `pool_scores`).
+        query_layer: None scores with the split layer's attention. A deeper layer scores with
+            that layer's attention, on its input as the ridge maps predict it from the split state
+            (tokengate's `score_layer`; ridge only). A layer or two above the split ranks the
+            needle the question names above its look-alikes more often than the split layer.
+        query_top: per head, a row's score is the mean attention of the `query_top` queries that
+            attend to it most (0: of all `query_last` queries; 1: the largest). A needle that only
+            the question's key tokens find (one of several look-alike key-value lines) keeps a
+            high score instead of being averaged away by the rest of the question.
         drop: the three-tier `gated-ridge`: this fraction of the bulk rows, the lowest-scoring
             blocks of `block` tokens by the same split-layer score, is neither filled nor run in
             the deep layers (absent from their cache, as in methods/gate.py); 0 disables. Rows
@@ -78,6 +86,8 @@ class FillSettings:
     query_last: int = 64
     query_sentence: int = 0
     query_pool: int = 1
+    query_layer: int | None = None
+    query_top: int = 0
     drop: float = 0.0
     sparse_keep: float = 1.0
     block: int = 64
@@ -107,10 +117,16 @@ class FillSettings:
         if self.query_rows < 0 or self.query_window < 1 or self.query_last < 1 or self.query_sentence < 0:
             raise RidgefillError("query_rows and query_sentence must be >= 0, query_window and query_last >= 1")
         check_pool("query_pool", self.query_pool)
+        if self.query_top < 0:
+            raise RidgefillError(f"query_top must be >= 0 (0: the mean over every query), got {self.query_top}")
+        split = default_split(num_layers) if self.split is None else self.split
+        if self.query_layer is not None and not split < self.query_layer < num_layers:
+            raise RidgefillError(
+                f"query_layer {self.query_layer} must be above the split {split} and below {num_layers}"
+            )
         if not 0 <= self.drop < 1 or self.block < 1:
             raise RidgefillError(f"drop must be in [0, 1) and block >= 1, got drop {self.drop}, block {self.block}")
         check_fraction("sparse_keep", self.sparse_keep)
-        split = default_split(num_layers) if self.split is None else self.split
         if self.resume is not None and not split < self.resume <= num_layers:
             raise RidgefillError(f"resume {self.resume} must be above the split {self.split} and at most {num_layers}")
 
@@ -204,6 +220,8 @@ def prefill_fill(
             raise RidgefillError(f"these maps are for {maps.method!r}, not {method!r}")
         maps.check_model(engine.lm)
         s = replace(s, split=maps.split)
+    if s.query_layer is not None and method != "ridge":
+        raise RidgefillError(f"query_layer scores on the ridge maps' prediction; {method!r} makes none")
     if method == "kva" and s.resume is not None:
         raise RidgefillError("kva predicts K/V, not layer inputs, so it cannot resume full layers (resume)")
     parts = engine.parts
@@ -221,7 +239,17 @@ def prefill_fill(
     bulk = ~full
     diagnostics = {}
     if s.query_rows or s.drop:
-        scores = row_scores(engine, s.split, h, tables, s.query_last, pool=s.query_pool)
+        scores = row_scores(
+            engine,
+            s.split,
+            h,
+            tables,
+            s.query_last,
+            maps=maps if s.query_layer is not None else None,
+            score_layer=s.query_layer,
+            pool=s.query_pool,
+            top=s.query_top,
+        )
         diagnostics = {"row_scores": scores, "score_candidates": bulk}  # eval's needle rank
         if s.query_rows:
             ends = sentence_ends(engine, input_ids) if s.reads_sentences else None
@@ -248,7 +276,14 @@ def prefill_fill(
         )
     logits, rows = engine.logits_at(hfull, out_pos, logit_rows, "were filled, not run fully")
     plan = Plan(
-        split=s.split, full=fpos, filled=len(bpos), fill=method, deep_keys=kept, lower_pairs=pairs, resume=s.resume
+        split=s.split,
+        full=fpos,
+        filled=len(bpos),
+        fill=method,
+        deep_keys=kept,
+        lower_pairs=pairs,
+        resume=s.resume,
+        score_layer=s.query_layer if s.query_rows or s.drop else None,
     )
     return PrefillResult(
         cache,

@@ -74,6 +74,9 @@ class GateSettings:
             `gate_layer` predict it from the gate layer's state (read or fitted like RidgeFill's).
             Early layers attend by surface form; a deeper layer's queries find the needle.
         pool: each token's score is averaged over this many neighbouring tokens (odd; 1: none).
+        query_top: per head, a token's score is the mean attention of the `query_top` queries
+            that attend to it most (0: of all `query_last` queries; 1: the largest;
+            methods/select.py `reduce_queries`).
     """
 
     MAPS_AT: ClassVar[str] = "gate_layer"  # the settings field the maps' split must match
@@ -91,6 +94,7 @@ class GateSettings:
     window: int = 16
     score_layer: int | None = None
     pool: int = 1
+    query_top: int = 0
 
     @property
     def dense_below(self) -> int | None:
@@ -129,6 +133,8 @@ class GateSettings:
                 f"score_layer {self.score_layer} must be above the gate layer {g} and below {num_layers}"
             )
         check_pool("pool", self.pool)
+        if self.query_top < 0:
+            raise RidgefillError(f"query_top must be >= 0 (0: the mean over every query), got {self.query_top}")
 
 
 @functools.cache
@@ -185,7 +191,9 @@ def prefill_tokengate(
     st, pairs = run_lower(engine, input_ids, g, s.sparse_keep, s.block, lower)
     t0, a1 = engine.clock(), engine.attn_seconds
     cache = engine.cache_from(st.kv, into=cache)
-    scores = row_scores(engine, g, st.h, st.tables, s.query_last, maps=maps, score_layer=s.score_layer, pool=s.pool)
+    scores = row_scores(
+        engine, g, st.h, st.tables, s.query_last, maps=maps, score_layer=s.score_layer, pool=s.pool, top=s.query_top
+    )
     always = always_kept(n, s.sink, local, s.tail, engine.device)
     budget = max(0, int(s.keep * n) - int(always.sum()))
     if s.reads_sentences:

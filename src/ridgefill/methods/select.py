@@ -27,9 +27,19 @@ from ridgefill.errors import RidgefillError
 from ridgefill.fit.maps import FillMaps
 
 
+def reduce_queries(att: torch.Tensor, top: int = 0) -> torch.Tensor:
+    """(N,) row scores from per-head attention weights att (H, Q, N): per head, the mean over the
+    Q queries (top 0) or over the `top` largest of them, then the max over heads. The mean favours
+    rows the whole question attends to; a small `top` (1: the max) also keeps a row that only a
+    few question tokens find, such as the one needle whose key a question names."""
+    per_head = att.mean(1) if top <= 0 else att.topk(min(top, att.shape[1]), dim=1).values.mean(1)
+    return per_head.amax(0)
+
+
 @torch.inference_mode()
-def token_scores(engine: Engine, layer: int, h: torch.Tensor, tables, last: int) -> torch.Tensor:
-    """(N,) attention mass the last `last` rows pay each position at `layer`. h: (1, N, d) its input."""
+def token_scores(engine: Engine, layer: int, h: torch.Tensor, tables, last: int, top: int = 0) -> torch.Tensor:
+    """(N,) attention the last `last` rows pay each position at `layer` (`reduce_queries`).
+    h: (1, N, d) its input."""
     n = h.shape[1]
     lp = engine.parts.layers[layer]
     cos, sin = tables[lp.layer_type]
@@ -41,7 +51,7 @@ def token_scores(engine: Engine, layer: int, h: torch.Tensor, tables, last: int)
     att = (q @ k.transpose(-1, -2)) * lp.scaling  # (1, H, Q, N)
     idx = torch.arange(n, device=att.device)
     att = att.masked_fill(idx[None, :] > idx[qs][:, None], float("-inf")).softmax(-1)
-    return att[0].mean(1).amax(0)  # mean over the queries, max over heads
+    return reduce_queries(att[0], top)
 
 
 def check_score_maps(maps: FillMaps | None, layer: int, score_layer: int) -> None:
@@ -61,15 +71,17 @@ def row_scores(
     maps: FillMaps | None = None,
     score_layer: int | None = None,
     pool: int = 1,
+    top: int = 0,
 ) -> torch.Tensor:
     """(N,) row scores from `h` (1, N, d), the input of `layer`: `token_scores` at `layer` itself,
     or, with `score_layer`, at that deeper layer on its input predicted from `h` by `maps` (ridge
-    maps fitted at split `layer`); then averaged over `pool` neighbouring tokens (1: as is)."""
+    maps fitted at split `layer`); then averaged over `pool` neighbouring tokens (1: as is).
+    `top`: how the queries' attention is reduced (`reduce_queries`)."""
     if score_layer is None:
-        scores = token_scores(engine, layer, h, tables, last)
+        scores = token_scores(engine, layer, h, tables, last, top)
     else:
         check_score_maps(maps, layer, score_layer)
-        scores = token_scores(engine, score_layer, maps.predict(h, score_layer), tables, last)
+        scores = token_scores(engine, score_layer, maps.predict(h, score_layer), tables, last, top)
     return pool_scores(scores, pool)
 
 

@@ -47,6 +47,10 @@ class Candidate:
             parts.append(f"query_sentence={s.query_sentence}")
         if (s.query_rows or s.drop) and s.query_pool > 1:
             parts.append(f"query_pool={s.query_pool}")
+        if (s.query_rows or s.drop) and s.query_layer is not None:
+            parts.append(f"query_layer={s.query_layer}")
+        if (s.query_rows or s.drop) and s.query_top:
+            parts.append(f"query_top={s.query_top}")
         if s.drop:
             parts.append(f"drop={s.drop:g}")
         if s.sparse_keep < 1:
@@ -76,6 +80,8 @@ class Space:
     sink: int = 4
     query_sentence: int = 0  # query spans also cover their peak's sentence, this far either side (0: off)
     query_pool: int = 1  # query scores averaged over this many neighbouring tokens (1: none)
+    query_above: int = 0  # query scores at the layer this far above the split, on the maps' prediction (0: the split)
+    query_top: int = 0  # per head, the mean of this many largest query weights (0: of every query)
     gates: tuple[GateSettings, ...] = ()  # token gates measured beside the fills
 
     def resolved_splits(self, num_layers: int) -> tuple[int, ...]:
@@ -112,6 +118,8 @@ def grid(space: Space, num_layers: int) -> list[Candidate]:
                             query_rows=q,
                             query_sentence=space.query_sentence if q else 0,
                             query_pool=space.query_pool if q or drop else 1,
+                            query_layer=split + space.query_above if space.query_above and (q or drop) else None,
+                            query_top=space.query_top if q or drop else 0,
                             drop=drop,
                             sparse_keep=keep,
                         )

@@ -63,8 +63,8 @@ def prepare(
             model, less what vLLM cannot run (dropped rows) (default: the maps' method, else ridge).
         dtype: auto (bf16 on CUDA and AMX CPUs, else fp32, as our own engine), float32, bfloat16.
         settings: sink, tail, outlier_factor, split (identity's, or which cached maps to take),
-            query_rows, query_window, query_last, query_sentence, query_pool
-            (vllm/config.py).
+            query_rows, query_window, query_last, query_sentence, query_pool, query_layer,
+            query_top (vllm/config.py).
     """
     check_version()
     from ridgefill.models.device import pick_device, pick_dtype

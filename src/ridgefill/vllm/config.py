@@ -14,7 +14,8 @@ Keys (all optional but the map file for ridge and kva):
   ridgefill_query_rows      about this many more rows run fully, chosen by the attention the
                             prompt's last tokens pay them at the split layer (0: off); only for
                             prompts scheduled whole in one step (methods/select.py)
-  ridgefill_query_window, ridgefill_query_last, ridgefill_query_sentence, ridgefill_query_pool
+  ridgefill_query_window, ridgefill_query_last, ridgefill_query_sentence, ridgefill_query_pool,
+  ridgefill_query_layer, ridgefill_query_top
                             as in FillSettings
 """
 
@@ -41,6 +42,8 @@ _KEYS = {
     "query_last": int,
     "query_sentence": int,
     "query_pool": int,
+    "query_layer": int,
+    "query_top": int,
 }
 PREFIX_CACHING = (
     "prefix caching would hand filled K/V to later requests as if exact; turn it off with RidgeFill "
@@ -99,6 +102,8 @@ class VllmFill:
             raise RidgefillError(f"{PREFIX}method {method} needs {PREFIX}maps: a map file from `ridgefill fit`")
         if method in ("identity", "off") and maps_path:
             raise RidgefillError(f"{PREFIX}maps is given but {PREFIX}method {method} reads no maps")
+        if settings.query_layer is not None and method != "ridge":
+            raise RidgefillError(f"{PREFIX}query_layer scores on the ridge maps' prediction; {method} makes none")
         num_layers = int(config.num_hidden_layers)
         settings.check(num_layers)
         return cls(method, settings.at(num_layers), maps_path)
@@ -113,6 +118,11 @@ class VllmFill:
         if self.settings.split is not None and self.settings.split != maps.split and _split_given(config):
             raise MapError(
                 f"{self.maps_path}: the maps are for split {maps.split}, not {PREFIX}split {self.settings.split}"
+            )
+        if self.settings.query_layer is not None and self.settings.query_layer <= maps.split:
+            raise MapError(
+                f"{self.maps_path}: the maps are for split {maps.split}; {PREFIX}query_layer "
+                f"{self.settings.query_layer} must be above it"
             )
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads

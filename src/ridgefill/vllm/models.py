@@ -67,7 +67,7 @@ class RidgeFillMixin:
             split = self.ridgefill.settings.split
             self._ridgefill_kv = {i: step.projection_rows(layers[i], "kv") for i in range(split, len(layers))}
             if self.ridgefill.settings.query_rows:
-                self._ridgefill_q = step.projection_rows(layers[split], "q")
+                self._ridgefill_q = step.projection_rows(layers[self._ridgefill_score_layer], "q")
             if self.ridgefill.settings.reads_sentences:
                 self._sentence_table()  # decoding the vocabulary once takes seconds: not in a request
         return loaded
@@ -165,11 +165,12 @@ class RidgeFillMixin:
         s = self.ridgefill.settings
         if not s.query_rows:
             return step.split_rows(plan, s, stream)
-        layer = self.model.layers[s.split]
-        kv = self._ridgefill_kv[s.split]
+        at = self._ridgefill_score_layer
+        layer, kv = self.model.layers[at], self._ridgefill_kv[at]
 
         def scores(a: int, b: int) -> torch.Tensor:
-            return step.token_scores(layer, self._ridgefill_q, kv, stream[a:b], positions[a:b], s.query_last)
+            h = stream[a:b] if at == s.split else self.ridgefill_maps.predict(stream[a:b], at)
+            return step.token_scores(layer, self._ridgefill_q, kv, h, positions[a:b], s.query_last, s.query_top)
 
         ends = None
         if s.reads_sentences and input_ids is not None:
@@ -187,6 +188,13 @@ class RidgeFillMixin:
                     int(plan.plen[a]),
                 )
         return step.split_rows(plan, s, stream, scores, ends)
+
+    @property
+    def _ridgefill_score_layer(self) -> int:
+        """The layer whose attention scores the query rows: the split's, or `query_layer` on the
+        maps' prediction of its input."""
+        s = self.ridgefill.settings
+        return s.split if s.query_layer is None else s.query_layer
 
     def _sentence_table(self) -> torch.Tensor:
         """(V,) bool: vocabulary ids whose text holds a sentence end, from the model's tokenizer."""

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from ridgefill.errors import RidgefillError
 from ridgefill.fit.maps import FillMaps
 from ridgefill.methods.fill import FillSettings
-from ridgefill.methods.select import pick_spans, pool_scores
+from ridgefill.methods.select import pick_spans, pool_scores, reduce_queries
 
 
 @dataclass
@@ -183,10 +183,11 @@ def token_scores(
     h: torch.Tensor,
     positions: torch.Tensor,
     last: int,
+    top: int = 0,
 ) -> torch.Tensor:
-    """(N,) attention mass the last `last` rows of one prompt pay each of its rows at `layer`, as
-    methods/select.py's token_scores (per-head softmax, mean over the queries, max over heads).
-    h: (N, d) the layer's input (the split state); positions: (N,)."""
+    """(N,) attention the last `last` rows of one prompt pay each of its rows at `layer`, as
+    methods/select.py's token_scores (per-head softmax, `reduce_queries` with `top`).
+    h: (N, d) the layer's input (the split state, or its prediction); positions: (N,)."""
     attn = layer.self_attn
     n = h.shape[0]
     x = layer.input_layernorm(h)
@@ -199,7 +200,7 @@ def token_scores(
     att = (q @ k.transpose(-1, -2)) * attn.scaling  # (H, Q, N), in the model dtype as our engine
     idx = torch.arange(n, device=h.device)
     att = att.masked_fill(idx[None, :] > idx[qs][:, None], float("-inf")).softmax(-1)
-    return att.mean(1).amax(0)
+    return reduce_queries(att, top)
 
 
 def layer_kv(
