@@ -59,8 +59,8 @@ def test_rows_carry_settings_paired_figures_and_command(tmp_path):
         ablation.label_settings("ridge:drop=x", {})
     table = ablation.markdown(rows)
     assert (
-        "| tiny | plain fill | ridge | 15 | 256 | 4 | 0 | 32 | 0 | 1 | - | 0 | 0 | 1 | - | - | 4 | 25.0 | 75.0 | -50.0 ["
-        in table
+        "| tiny | plain fill | ridge | 15 | 256 | 4 | 0 | 32 | 0 | 1 | - | 0 | 0 | 1 | - | - | 4 | 25.0 | 75.0 | "
+        "-50.0 [" in table
     )
     # Settings recorded before a field existed read as its old meaning (query_sentence: 0, off).
     path = _write(tmp_path, name="recorded.json")
@@ -82,8 +82,9 @@ def test_rows_carry_settings_paired_figures_and_command(tmp_path):
         "64K",
         None,
     )
-    assert "| facts in calibration | ridge | 15 | 256 | 4 | 0 | 32 | 0 | 1 | - | 0 | 0 | 1 | - | 16K + 16 facts/seg | 4 |" in (
-        ablation.markdown([ridge])
+    assert (
+        "| facts in calibration | ridge | 15 | 256 | 4 | 0 | 32 | 0 | 1 | - | 0 | 0 | 1 | - | 16K + 16 facts/seg | 4 |"
+        in ablation.markdown([ridge])
     )
 
 
