@@ -245,7 +245,7 @@ def prefill_fill(
             h,
             tables,
             s.query_last,
-            maps=maps if s.query_layer is not None else None,
+            maps=maps,
             score_layer=s.query_layer,
             pool=s.query_pool,
             top=s.query_top,

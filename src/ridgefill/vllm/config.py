@@ -119,11 +119,10 @@ class VllmFill:
             raise MapError(
                 f"{self.maps_path}: the maps are for split {maps.split}, not {PREFIX}split {self.settings.split}"
             )
-        if self.settings.query_layer is not None and self.settings.query_layer <= maps.split:
-            raise MapError(
-                f"{self.maps_path}: the maps are for split {maps.split}; {PREFIX}query_layer "
-                f"{self.settings.query_layer} must be above it"
-            )
+        try:  # the maps' split wins: the settings must hold at it (a query_layer above it)
+            replace(self.settings, split=maps.split).check(int(config.num_hidden_layers))
+        except RidgefillError as e:
+            raise MapError(f"{self.maps_path}: the maps are for split {maps.split}: {e}") from None
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         try:
