@@ -350,6 +350,30 @@ def test_query_layer_scores_on_the_maps_prediction_of_a_deeper_layer(fitted):
         replace(s, query_top=-1).check(3)
 
 
+def test_drop_top_reduces_the_queries_for_the_dropped_blocks_alone(fitted):
+    """drop_top: the spans read the scores reduced by query_top, the dropped blocks the scores
+    reduced by drop_top (None: query_top), both from the one attention computation."""
+    from ridgefill.methods.select import pick_spans, row_scores, top_blocks
+
+    lm, maps, _ = fitted
+    eng, ids, _ = _split_scores(lm)
+    with torch.inference_mode():
+        st = eng.run_lower(ids, 1)
+        by = {top: row_scores(eng, 1, st.h, st.tables, 8, top=top) for top in (0, 1)}
+    full = pick_spans(by[1], QUERY_CANDIDATES, 8, 8) | ~QUERY_CANDIDATES
+    picks = {top: top_blocks(by[top], ~full, round(0.5 * int((~full).sum())), 8) for top in (0, 1)}
+    assert not torch.equal(picks[0], picks[1])  # the two reductions keep different blocks here
+    for drop_top, want_top in ((0, 0), (None, 1), (1, 1)):
+        s = replace(QUERY, query_top=1, drop_top=drop_top, drop=0.5, block=8)
+        res = run_prefill(eng, ids, "ridge", maps=maps["ridge"], settings=s)
+        torch.testing.assert_close(res.diagnostics["row_scores"], by[1])
+        assert res.plan.full.tolist() == full.nonzero().squeeze(1).tolist()
+        kept = picks[want_top] | full
+        assert res.plan.deep_keys.tolist() == kept.nonzero().squeeze(1).tolist(), drop_top
+    with pytest.raises(RidgefillError, match="drop_top must be >= 0"):
+        replace(s, drop_top=-1).check(3)
+
+
 def test_method_variants_parse_into_settings(fitted):
     import argparse
 

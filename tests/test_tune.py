@@ -43,6 +43,11 @@ def test_grid_covers_splits_tails_and_knobs():
         (12, 13, 1),
     }
     assert "ridge@12:tail=256:query_rows=512:query_layer=13:query_top=1" in [c.label for c in above]
+    split_top = grid(
+        Space(splits=(10,), query_rows=(512,), drops=(0.75,), sparse_keeps=(1.0,), query_top=1, drop_top=0), 30
+    )
+    assert {(c.settings.drop, c.settings.drop_top) for c in split_top} == {(0.0, None), (0.75, 0)}
+    assert "ridge@10:tail=256:query_rows=512:query_top=1:drop_top=0:drop=0.75" in [c.label for c in split_top]
 
 
 def test_grid_adds_token_gates_that_read_maps_only_to_score():

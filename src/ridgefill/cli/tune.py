@@ -83,6 +83,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         query_pool=args.query_pool,
         query_above=args.query_above,
         query_top=args.query_top,
+        drop_top=args.drop_top,
         gates=gate_candidates(args.gates),
     )
     base_cfg = TuneConfig(
@@ -256,6 +257,9 @@ def tune_args(p: argparse.ArgumentParser) -> None:
         "--query-top", type=int, default=0, help="per head, a row's score from the N queries attending most (0: all)"
     )
     p.add_argument("--drops", default="0.5,0.75", help="fractions of bulk rows dropped from the deep layers")
+    p.add_argument(
+        "--drop-top", type=int, default=None, help="as --query-top, for the dropped blocks alone (default: --query-top)"
+    )
     p.add_argument("--sparse-keeps", default="1,0.5", help="key-block fractions below the split (1: dense)")
     p.add_argument(
         "--gates",

@@ -32,6 +32,7 @@ KNOBS = (
     "query_pool",
     "query_layer",
     "query_top",
+    "drop_top",
     "drop",
     "sparse_keep",
     "resume",

@@ -24,7 +24,7 @@ from ridgefill.errors import RidgefillError
 from ridgefill.fit.maps import FillMaps
 from ridgefill.fit.ridge import fit_rows
 from ridgefill.methods.lower import check_fraction, run_lower, sliding_rows
-from ridgefill.methods.select import check_pool, pick_spans, row_scores, sentence_ends, top_blocks
+from ridgefill.methods.select import check_pool, pick_spans, row_score_sets, sentence_ends, top_blocks
 from ridgefill.models import hf
 from ridgefill.ops.attention import apply_rope
 
@@ -63,6 +63,9 @@ class FillSettings:
             attend to it most (0: of all `query_last` queries; 1: the largest). A needle that only
             the question's key tokens find (one of several look-alike key-value lines) keeps a
             high score instead of being averaged away by the rest of the question.
+        drop_top: the same reduction for `drop`'s blocks alone (None: `query_top`). Spans by the
+            few queries that find a needle (query_top 1) and the drop by the whole question's mean
+            (drop_top 0) keep the needle and the context the rest of the question reads.
         drop: the three-tier `gated-ridge`: this fraction of the bulk rows, the lowest-scoring
             blocks of `block` tokens by the same split-layer score, is neither filled nor run in
             the deep layers (absent from their cache, as in methods/gate.py); 0 disables. Rows
@@ -88,6 +91,7 @@ class FillSettings:
     query_pool: int = 1
     query_layer: int | None = None
     query_top: int = 0
+    drop_top: int | None = None
     drop: float = 0.0
     sparse_keep: float = 1.0
     block: int = 64
@@ -117,8 +121,9 @@ class FillSettings:
         if self.query_rows < 0 or self.query_window < 1 or self.query_last < 1 or self.query_sentence < 0:
             raise RidgefillError("query_rows and query_sentence must be >= 0, query_window and query_last >= 1")
         check_pool("query_pool", self.query_pool)
-        if self.query_top < 0:
-            raise RidgefillError(f"query_top must be >= 0 (0: the mean over every query), got {self.query_top}")
+        for name in ("query_top", "drop_top"):
+            if (getattr(self, name) or 0) < 0:
+                raise RidgefillError(f"{name} must be >= 0 (0: the mean over every query), got {getattr(self, name)}")
         split = default_split(num_layers) if self.split is None else self.split
         if self.query_layer is not None and not split < self.query_layer < num_layers:
             raise RidgefillError(
@@ -239,7 +244,8 @@ def prefill_fill(
     bulk = ~full
     diagnostics = {}
     if s.query_rows or s.drop:
-        scores = row_scores(
+        drop_top = s.query_top if s.drop_top is None else s.drop_top
+        scores, drop_scores = row_score_sets(
             engine,
             s.split,
             h,
@@ -248,7 +254,7 @@ def prefill_fill(
             maps=maps,
             score_layer=s.query_layer,
             pool=s.query_pool,
-            top=s.query_top,
+            tops=(s.query_top, drop_top),
         )
         diagnostics = {"row_scores": scores, "score_candidates": bulk}  # eval's needle rank
         if s.query_rows:
@@ -260,7 +266,7 @@ def prefill_fill(
             held = bulk.clone()
             held[: max(0, n - sliding_rows(engine, s.split))] = False
             want = round((1 - s.drop) * int(bulk.sum())) - int(held.sum())
-            bulk = held | top_blocks(scores, bulk & ~held, max(0, want), s.block)
+            bulk = held | top_blocks(drop_scores, bulk & ~held, max(0, want), s.block)
     fpos, bpos = full.nonzero().squeeze(1), bulk.nonzero().squeeze(1)
     kept = None if s.drop == 0 else (full | bulk).nonzero().squeeze(1)
     top = s.top(parts.num_layers)

@@ -40,6 +40,14 @@ def reduce_queries(att: torch.Tensor, top: int = 0) -> torch.Tensor:
 def token_scores(engine: Engine, layer: int, h: torch.Tensor, tables, last: int, top: int = 0) -> torch.Tensor:
     """(N,) attention the last `last` rows pay each position at `layer` (`reduce_queries`).
     h: (1, N, d) its input."""
+    return token_score_sets(engine, layer, h, tables, last, (top,))[0]
+
+
+@torch.inference_mode()
+def token_score_sets(
+    engine: Engine, layer: int, h: torch.Tensor, tables, last: int, tops: tuple[int, ...]
+) -> list[torch.Tensor]:
+    """`token_scores` for each query reduction in `tops`, from one attention computation."""
     n = h.shape[1]
     lp = engine.parts.layers[layer]
     cos, sin = tables[lp.layer_type]
@@ -51,7 +59,7 @@ def token_scores(engine: Engine, layer: int, h: torch.Tensor, tables, last: int,
     att = (q @ k.transpose(-1, -2)) * lp.scaling  # (1, H, Q, N)
     idx = torch.arange(n, device=att.device)
     att = att.masked_fill(idx[None, :] > idx[qs][:, None], float("-inf")).softmax(-1)
-    return reduce_queries(att[0], top)
+    return [reduce_queries(att[0], top) for top in tops]
 
 
 def check_score_maps(maps: FillMaps | None, layer: int, score_layer: int) -> None:
@@ -77,12 +85,28 @@ def row_scores(
     or, with `score_layer`, at that deeper layer on its input predicted from `h` by `maps` (ridge
     maps fitted at split `layer`); then averaged over `pool` neighbouring tokens (1: as is).
     `top`: how the queries' attention is reduced (`reduce_queries`)."""
+    return row_score_sets(engine, layer, h, tables, last, maps=maps, score_layer=score_layer, pool=pool, tops=(top,))[0]
+
+
+def row_score_sets(
+    engine: Engine,
+    layer: int,
+    h: torch.Tensor,
+    tables,
+    last: int,
+    *,
+    maps: FillMaps | None = None,
+    score_layer: int | None = None,
+    pool: int = 1,
+    tops: tuple[int, ...] = (0,),
+) -> list[torch.Tensor]:
+    """`row_scores` for each query reduction in `tops`, from one attention computation."""
     if score_layer is None:
-        scores = token_scores(engine, layer, h, tables, last, top)
+        sets = token_score_sets(engine, layer, h, tables, last, tops)
     else:
         check_score_maps(maps, layer, score_layer)
-        scores = token_scores(engine, score_layer, maps.predict(h, score_layer), tables, last, top)
-    return pool_scores(scores, pool)
+        sets = token_score_sets(engine, score_layer, maps.predict(h, score_layer), tables, last, tops)
+    return [pool_scores(scores, pool) for scores in sets]
 
 
 def pool_scores(scores: torch.Tensor, pool: int) -> torch.Tensor:

@@ -51,6 +51,8 @@ class Candidate:
             parts.append(f"query_layer={s.query_layer}")
         if (s.query_rows or s.drop) and s.query_top:
             parts.append(f"query_top={s.query_top}")
+        if s.drop and s.drop_top is not None:
+            parts.append(f"drop_top={s.drop_top}")
         if s.drop:
             parts.append(f"drop={s.drop:g}")
         if s.sparse_keep < 1:
@@ -82,6 +84,7 @@ class Space:
     query_pool: int = 1  # query scores averaged over this many neighbouring tokens (1: none)
     query_above: int = 0  # query scores at the layer this far above the split, on the maps' prediction (0: the split)
     query_top: int = 0  # per head, the mean of this many largest query weights (0: of every query)
+    drop_top: int | None = None  # the same for the drop's blocks alone (None: query_top)
     gates: tuple[GateSettings, ...] = ()  # token gates measured beside the fills
 
     def resolved_splits(self, num_layers: int) -> tuple[int, ...]:
@@ -120,6 +123,7 @@ def grid(space: Space, num_layers: int) -> list[Candidate]:
                             query_pool=space.query_pool if q or drop else 1,
                             query_layer=split + space.query_above if space.query_above and (q or drop) else None,
                             query_top=space.query_top if q or drop else 0,
+                            drop_top=space.drop_top if drop else None,
                             drop=drop,
                             sparse_keep=keep,
                         )
