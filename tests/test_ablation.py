@@ -59,7 +59,7 @@ def test_rows_carry_settings_paired_figures_and_command(tmp_path):
         ablation.label_settings("ridge:drop=x", {})
     table = ablation.markdown(rows)
     assert (
-        "| tiny | plain fill | ridge | 15 | 256 | 4 | 0 | 32 | 0 | 1 | - | 0 | 0 | 1 | - | - | 4 | 25.0 | 75.0 | "
+        "| tiny | plain fill | ridge | 15 | 256 | 4 | 0 | 32 | 0 | 1 | - | 0 | - | 0 | 1 | - | - | 4 | 25.0 | 75.0 | "
         "-50.0 [" in table
     )
     # Settings recorded before a field existed read as its old meaning (query_sentence: 0, off).
@@ -83,8 +83,8 @@ def test_rows_carry_settings_paired_figures_and_command(tmp_path):
         None,
     )
     assert (
-        "| facts in calibration | ridge | 15 | 256 | 4 | 0 | 32 | 0 | 1 | - | 0 | 0 | 1 | - | 16K + 16 facts/seg | 4 |"
-        in ablation.markdown([ridge])
+        "| facts in calibration | ridge | 15 | 256 | 4 | 0 | 32 | 0 | 1 | - | 0 | - | 0 | 1 | - | "
+        "16K + 16 facts/seg | 4 |" in ablation.markdown([ridge])
     )
 
 
