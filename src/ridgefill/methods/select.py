@@ -70,22 +70,11 @@ def check_score_maps(maps: FillMaps | None, layer: int, score_layer: int) -> Non
 
 
 def row_scores(
-    engine: Engine,
-    layer: int,
-    h: torch.Tensor,
-    tables,
-    last: int,
-    *,
-    maps: FillMaps | None = None,
-    score_layer: int | None = None,
-    pool: int = 1,
-    top: int = 0,
+    engine: Engine, layer: int, h: torch.Tensor, tables, last: int, *, top: int = 0, **where
 ) -> torch.Tensor:
-    """(N,) row scores from `h` (1, N, d), the input of `layer`: `token_scores` at `layer` itself,
-    or, with `score_layer`, at that deeper layer on its input predicted from `h` by `maps` (ridge
-    maps fitted at split `layer`); then averaged over `pool` neighbouring tokens (1: as is).
-    `top`: how the queries' attention is reduced (`reduce_queries`)."""
-    return row_score_sets(engine, layer, h, tables, last, maps=maps, score_layer=score_layer, pool=pool, tops=(top,))[0]
+    """(N,) row scores from `h` (1, N, d), the input of `layer`, with one query reduction `top`
+    (`reduce_queries`); `where`: maps, score_layer, pool as `row_score_sets` takes them."""
+    return row_score_sets(engine, layer, h, tables, last, tops=(top,), **where)[0]
 
 
 def row_score_sets(
@@ -100,7 +89,10 @@ def row_score_sets(
     pool: int = 1,
     tops: tuple[int, ...] = (0,),
 ) -> list[torch.Tensor]:
-    """`row_scores` for each query reduction in `tops`, from one attention computation."""
+    """(N,) row scores from `h` (1, N, d), the input of `layer`, one per query reduction in `tops`
+    (`reduce_queries`), from one attention computation: `token_scores` at `layer` itself, or, with
+    `score_layer`, at that deeper layer on its input predicted from `h` by `maps` (ridge maps
+    fitted at split `layer`); then averaged over `pool` neighbouring tokens (1: as is)."""
     if score_layer is None:
         sets = token_score_sets(engine, layer, h, tables, last, tops)
     else:
