@@ -290,6 +290,9 @@ def test_tuned_falls_back_to_the_shipped_default_with_the_users_maps(smollm2, sm
     pre = resolve_prefill(smollm2, "tuned", maps=smollm2_maps)
     assert pre.method == "ridge" and pre.maps.split == 15
     assert pre.settings == FillSettings(split=15, tail=256, query_rows=512, drop=0.5)
+    default["settings"]["query_layer"] = 17  # a setting the name clears with `none`
+    pre = resolve_prefill(smollm2, "tuned:query_layer=none:drop=0.25", maps=smollm2_maps)
+    assert pre.settings == FillSettings(split=15, tail=256, query_rows=512, drop=0.25)
     default["settings"]["split"] = 12  # no maps for it in that folder: says how to fit them
     with pytest.raises(MapError, match="--splits 12"):
         resolve_prefill(smollm2, "tuned", maps=smollm2_maps, fit_missing=False)

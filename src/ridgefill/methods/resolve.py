@@ -284,7 +284,9 @@ def resolve_prefill(
     chosen = []
     for b in cfg.buckets:
         # The bundle carries its own split's maps; a bucket at another split reads the folder's.
-        asked = applicable(b.method, values)  # a bucket takes the asked settings its method has
+        # A bucket takes the asked settings its method has; a `none` the name spells out clears one.
+        have = _field_types(get_method(b.method).settings or FillSettings)
+        asked = {**applicable(b.method, values), **{k: v for k, v in from_name.items() if v is None and k in have}}
         check_values(b.method, get_method(b.method).settings, {**b.settings, **asked})
         read = maps_read(b.method, {**b.settings, **asked}, lm.num_layers)
         own = cfg.maps is not None and read == (cfg.maps.method, cfg.maps.split)
