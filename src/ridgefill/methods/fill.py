@@ -67,8 +67,9 @@ class FillSettings:
             few queries that find a needle (query_top 1) and the drop by the whole question's mean
             (drop_top 0) keep the needle and the context the rest of the question reads.
         drop: the three-tier `gated-ridge`: this fraction of the bulk rows, the lowest-scoring
-            blocks of `block` tokens by the same split-layer score, is neither filled nor run in
-            the deep layers (absent from their cache, as in methods/gate.py); 0 disables. Rows
+            blocks of `block` tokens by the query rows' score (reduced by `drop_top`), is neither
+            filled nor run in the deep layers (absent from their cache, as in methods/gate.py); 0
+            disables. Rows
             within a sliding window of the prompt's end are filled, never dropped.
         sparse_keep: fraction of causal key blocks the layers below the split attend to
             (block-sparse, methods/gate.py); 1 is dense.
