@@ -309,6 +309,10 @@ def test_config_keys_architectures_and_engine_features_are_checked():
         assert words in one_line(e)
     fill = VllmFill.from_config(SimpleNamespace(**base, ridgefill_outlier_factor=0))
     assert fill.settings.split == 15 and fill.settings.outlier_factor is None
+    # With maps and no split, a query_layer below half the layers waits for the maps' split.
+    ridge = dict(num_hidden_layers=30, ridgefill_method="ridge", ridgefill_maps="m.safetensors")
+    fill = VllmFill.from_config(SimpleNamespace(**ridge, ridgefill_query_rows=64, ridgefill_query_layer=11))
+    assert fill.settings.query_layer == 11 and fill.with_split(10).settings.split == 10
 
     def engine(prefix=False, pp=1, spec=None, lora=None):
         return SimpleNamespace(

@@ -105,7 +105,9 @@ class VllmFill:
         if settings.query_layer is not None and method != "ridge":
             raise RidgefillError(f"{PREFIX}query_layer scores on the ridge maps' prediction; {method} makes none")
         num_layers = int(config.num_hidden_layers)
-        settings.check(num_layers)
+        # With maps and no split given, the maps' split decides: `load_maps` checks query_layer at it.
+        deferred = method in ("ridge", "kva") and settings.split is None
+        (replace(settings, query_layer=None) if deferred else settings).check(num_layers)
         return cls(method, settings.at(num_layers), maps_path)
 
     def load_maps(self, config) -> FillMaps | None:
