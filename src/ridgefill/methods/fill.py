@@ -69,8 +69,7 @@ class FillSettings:
         drop: the three-tier `gated-ridge`: this fraction of the bulk rows, the lowest-scoring
             blocks of `block` tokens by the query rows' score (reduced by `drop_top`), is neither
             filled nor run in the deep layers (absent from their cache, as in methods/gate.py); 0
-            disables. Rows
-            within a sliding window of the prompt's end are filled, never dropped.
+            disables. Rows within a sliding window of the prompt's end are filled, never dropped.
         sparse_keep: fraction of causal key blocks the layers below the split attend to
             (block-sparse, methods/gate.py); 1 is dense.
         block: tokens per block for `drop` and `sparse_keep`.

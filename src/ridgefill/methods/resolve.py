@@ -284,9 +284,10 @@ def resolve_prefill(
     chosen = []
     for b in cfg.buckets:
         # The bundle carries its own split's maps; a bucket at another split reads the folder's.
-        # A bucket takes the asked settings its method has; a `none` the name spells out clears one.
-        have = _field_types(get_method(b.method).settings or FillSettings)
-        asked = {**applicable(b.method, values), **{k: v for k, v in from_name.items() if v is None and k in have}}
+        # A bucket takes the settings asked that its method has; `values` are all named by the
+        # caller (shared ones never reach tuned), so a None clears a setting, as for any method.
+        cls = get_method(b.method).settings  # None for an exact bucket: it takes none
+        asked = {k: v for k, v in values.items() if cls is not None and k in _field_types(cls)}
         check_values(b.method, get_method(b.method).settings, {**b.settings, **asked})
         read = maps_read(b.method, {**b.settings, **asked}, lm.num_layers)
         own = cfg.maps is not None and read == (cfg.maps.method, cfg.maps.split)

@@ -98,7 +98,8 @@ class VllmFill:
             **{k: found[k] for k in SETTINGS if k.startswith("query_") and k in found},
         )
         maps_path = found.get("maps")
-        if method in ("ridge", "kva") and not maps_path:
+        reads_maps = method in ("ridge", "kva")
+        if reads_maps and not maps_path:
             raise RidgefillError(f"{PREFIX}method {method} needs {PREFIX}maps: a map file from `ridgefill fit`")
         if method in ("identity", "off") and maps_path:
             raise RidgefillError(f"{PREFIX}maps is given but {PREFIX}method {method} reads no maps")
@@ -106,7 +107,7 @@ class VllmFill:
             raise RidgefillError(f"{PREFIX}query_layer scores on the ridge maps' prediction; {method} makes none")
         num_layers = int(config.num_hidden_layers)
         # With maps and no split given, the maps' split decides: `load_maps` checks query_layer at it.
-        deferred = method in ("ridge", "kva") and settings.split is None
+        deferred = reads_maps and settings.split is None
         (replace(settings, query_layer=None) if deferred else settings).check(num_layers)
         return cls(method, settings.at(num_layers), maps_path)
 
