@@ -326,8 +326,9 @@ def test_tune_fits_missing_maps_with_facts_and_refuses_others(smollm2, smollm2_m
 
 
 def test_shipped_defaults_are_valid_settings():
-    from ridgefill.tune.bundle import shipped_defaults
+    from ridgefill.methods.tuned import buckets, shipped_defaults
 
     for name, tuned in shipped_defaults().items():
-        assert tuned["method"] == "ridge", name
-        FillSettings(**tuned["settings"]).check(64)
+        for b in buckets(tuned, name):
+            assert b.method == "ridge", name
+            FillSettings(**b.settings).check(64)

@@ -283,12 +283,28 @@ def test_maps_of_another_model_corrupt_maps_and_bad_settings_are_refused(ridge_m
 def test_tuned_takes_the_shipped_settings_the_plugin_runs():
     from ridgefill.vllm import _tuned
 
-    method, settings = _tuned("smollm2-135m", {"tail": 64, "sink": None})
-    assert method == "ridge" and settings["split"] == 18 and settings["tail"] == 64 and settings["sink"] == 4
-    assert settings["query_rows"] == 512 and "drop" not in settings
+    method, settings = _tuned("qwen2.5-0.5b", {"tail": 64, "sink": None})
+    assert method == "ridge" and settings["split"] == 10 and settings["tail"] == 64 and settings["sink"] == 4
+    assert settings["query_rows"] == 512 and settings["query_layer"] == 11 and "drop" not in settings
     with pytest.raises(RidgefillError) as e:
         _tuned("my-model", {})
     assert "no tuned fill configuration ships for my-model" in one_line(e)
+
+
+def test_tuned_by_length_runs_in_vllm_only_where_its_buckets_agree(monkeypatch):
+    from ridgefill.methods import tuned
+    from ridgefill.vllm import _tuned
+
+    short = {"up_to": 5793, "method": "ridge", "settings": {"split": 18, "tail": 512, "drop": 0.75}}
+    longer = {"up_to": None, "method": "ridge", "settings": {"split": 18, "tail": 512, "drop": 0.5}}
+    monkeypatch.setattr(tuned, "shipped_defaults", lambda: {"smollm2-135m": {"by_length": [short, longer]}})
+    assert _tuned("smollm2-135m", {}) == ("ridge", {"split": 18, "tail": 512})  # they differ in the drop alone
+    longer["settings"] = {"split": 15, "tail": 1024, "query_rows": 512}
+    with pytest.raises(RidgefillError) as e:
+        _tuned("smollm2-135m", {})
+    msg = one_line(e)
+    assert "changes with the prompt length" in msg and "up to 5793 tokens: --method ridge --split 18" in msg
+    assert "longer: --method ridge --split 15 --tail 1024 --query-rows 512" in msg
 
 
 def test_config_keys_architectures_and_engine_features_are_checked():

@@ -58,9 +58,11 @@ def prepare(
         model: a short name (`ridgefill models list`), a Hugging Face folder or a GGUF file.
         maps: a map file from `ridgefill fit` (its method and split are used); None: the file
             `ridgefill fit` wrote to the model's cache folder for this dtype and `split` (default:
-            the shipped tuned split of an embedded model, else half the layers).
+            the shipped tuned split of an embedded model where one split serves every length, else
+            half the layers).
         method: ridge, identity, kva, off, or tuned: the shipped tuned configuration of an embedded
-            model, less what vLLM cannot run (dropped rows) (default: the maps' method, else ridge).
+            model, less what vLLM cannot run (dropped rows); refused where it changes with the
+            prompt length in what vLLM runs (default: the maps' method, else ridge).
         dtype: auto (bf16 on CUDA and AMX CPUs, else fp32, as our own engine), float32, bfloat16.
         settings: sink, tail, outlier_factor, split (identity's, or which cached maps to take),
             query_rows, query_window, query_last, query_sentence, query_pool, query_layer,
@@ -120,20 +122,33 @@ def serve_args(p: Prepared) -> list[str]:
 
 def _tuned(name: str, settings: dict) -> tuple[str, dict]:
     """The shipped tuned method and settings of an embedded model, as far as the plugin runs them;
-    settings given explicitly win."""
-    from ridgefill.methods.tuned import shipped_defaults
+    settings given explicitly win. A configuration that changes with the prompt length is refused
+    where its buckets differ in what vLLM runs (one configuration per engine), naming each."""
+    from ridgefill.methods.fill import FillSettings
+    from ridgefill.methods.tuned import buckets, shipped_defaults
 
     entry = shipped_defaults().get(name)
-    if entry is None or entry.get("method") not in ("ridge", "kva", "identity"):
+    found = buckets(entry, f"the shipped configuration of {name}") if entry is not None else ()
+    if not found or any(b.method not in ("ridge", "kva", "identity") for b in found):
         raise RidgefillError(f"no tuned fill configuration ships for {name}; pass --method ridge and settings")
-    from ridgefill.methods.fill import FillSettings
-
-    shipped, default = entry["settings"], FillSettings()
-    skipped = {k: v for k, v in shipped.items() if k not in SETTINGS and v != getattr(default, k, v)}
+    default = FillSettings()
+    runs = [(b.method, {k: v for k, v in b.settings.items() if k in SETTINGS}) for b in found]
+    if any(r != runs[0] for r in runs[1:]):
+        flags = "; ".join(
+            f"{'up to ' + str(b.up_to) + ' tokens' if b.up_to else 'longer'}: --method {m} "
+            + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in s.items() if v != getattr(default, k, None))
+            for b, (m, s) in zip(found, runs, strict=True)
+        )
+        raise RidgefillError(
+            f"{name}'s tuned configuration changes with the prompt length and vLLM runs one per engine; "
+            f"pass the one for your prompts ({flags})"
+        )
+    method, shipped = runs[0]
+    skipped = {k: v for k, v in found[0].settings.items() if k not in SETTINGS and v != getattr(default, k, v)}
     if skipped:
         log.info("ridgefill: vLLM runs %s's tuned fill without %s", name, skipped)
     given = {k: v for k, v in settings.items() if v is not None}
-    return entry["method"], {**{k: v for k, v in shipped.items() if k in SETTINGS}, **given}
+    return method, {**shipped, **given}
 
 
 def _cached_maps(
@@ -143,11 +158,13 @@ def _cached_maps(
     file names), or a one-line error with the command that fits it."""
     from ridgefill.fit.maps import maps_dir, maps_filename
     from ridgefill.methods.fill import default_split
-    from ridgefill.methods.tuned import shipped_defaults
+    from ridgefill.methods.tuned import buckets, shipped_defaults
 
     if split is None:
-        shipped = shipped_defaults().get(name, {})
-        split = shipped.get("settings", {}).get("split") or default_split(int(config["num_hidden_layers"]))
+        entry = shipped_defaults().get(name)
+        splits = {b.settings.get("split") for b in buckets(entry, name)} if entry is not None else set()
+        one = next(iter(splits)) if len(splits) == 1 else None  # the tuned split where one serves every length
+        split = one or default_split(int(config["num_hidden_layers"]))
     path = maps_dir(name, weights_digest(*(t.to(dtype) for t in probes))) / maps_filename(name, method, split)
     if not path.is_file():
         raise MapError(
