@@ -55,12 +55,16 @@ def make_tiny(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> L
 @pytest.fixture(scope="session", autouse=True)
 def fp32_by_default():
     """Tests compare against fp32 references on every machine: `--dtype auto` reads this CPU as
-    having no AMX (an explicit cpuinfo text, as the dtype tests pass, is still read)."""
+    one where bf16 is not faster (an explicit cpuinfo text, as the dtype tests pass, is still read)."""
     from ridgefill.models import device
 
-    real = device.cpu_amx
+    real = device.cpu_prefers_bf16
+
+    def prefers(cpuinfo=None, gain=device.bf16_matmul_gain):
+        return False if cpuinfo is None else real(cpuinfo, gain)
+
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(device, "cpu_amx", lambda cpuinfo=None: False if cpuinfo is None else real(cpuinfo))
+        mp.setattr(device, "cpu_prefers_bf16", prefers)
         yield
 
 

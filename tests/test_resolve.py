@@ -28,7 +28,11 @@ def _ids(n: int, seed: int = 0) -> torch.Tensor:
 def test_auto_dtype_follows_the_cpus_bf16_flags():
     cpu = torch.device("cpu")
     assert pick_dtype("auto", cpu, AMX) == torch.bfloat16
-    assert pick_dtype("auto", cpu, AVX512BF16) == torch.float32  # measured slower than fp32 without AMX
+    # AVX512-BF16 without AMX: bf16 only where the matmul probe measures it faster.
+    assert pick_dtype("auto", cpu, AVX512BF16, gain=lambda: 0.6) == torch.float32
+    assert pick_dtype("auto", cpu, AVX512BF16, gain=lambda: 2.1) == torch.bfloat16
+    assert pick_dtype("auto", cpu, AMX, gain=lambda: pytest.fail("AMX needs no probe")) == torch.bfloat16
+    assert pick_dtype("auto", cpu, EPYC, gain=lambda: pytest.fail("no bf16 flag needs no probe")) == torch.float32
     assert pick_dtype("auto", cpu, EPYC) == torch.float32
     assert pick_dtype("auto", cpu, "model name : x\n") == torch.float32  # no flags line: cannot tell
     assert pick_dtype("float32", cpu, AMX) == torch.float32 and pick_dtype("bfloat16", cpu, EPYC) == torch.bfloat16

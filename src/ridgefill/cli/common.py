@@ -20,7 +20,7 @@ def model_args(p: argparse.ArgumentParser) -> None:
         "--dtype",
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16"],
-        help="compute dtype (auto: bf16 on CUDA and on CPUs with AMX, else float32)",
+        help="compute dtype (auto: bf16 on CUDA and on CPUs where it runs faster, else float32)",
     )
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
 

@@ -52,7 +52,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from ridgefill.bench.ttft import BenchConfig, run_bench
     from ridgefill.domains import corpus_info
     from ridgefill.eval.adapter import spec_settings
-    from ridgefill.models.device import cpu_amx
+    from ridgefill.models.device import cpu_prefers_bf16
     from ridgefill.results import write_json
 
     lm = load(args)
@@ -80,8 +80,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             f"{r['speedup_min']:5.2f}-{r['speedup_max']:<5.2f}  {r['flop_bound']:9.2f}x {r['fraction_of_bound']:7.0%} "
             f"{r['attn_median_s']:8.3f} {r['attn_speedup'] or 0:6.2f}x {r['tokens_per_s']:8.0f} {r['peak_mem_mb']:9.0f}"
         )
-    if lm.dtype_name == "float32" and lm.device.type == "cpu" and cpu_amx():
-        print("note: this CPU has AMX; `--dtype bfloat16` is likely the faster exact baseline")
+    if lm.dtype_name == "float32" and lm.device.type == "cpu" and cpu_prefers_bf16():
+        print("note: this CPU runs bf16 matmuls faster; `--dtype bfloat16` is likely the faster exact baseline")
     if args.out:
         config = {
             **asdict(cfg),

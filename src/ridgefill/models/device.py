@@ -1,16 +1,22 @@
 """Where and in what precision a model computes: the `auto` choices, made in one place.
 
-What it is: `pick_device` (CUDA when present) and `pick_dtype`: bf16 on CUDA and on CPUs with AMX
-tiles for bf16 (read from /proc/cpuinfo), fp32 elsewhere. Measured with `ridgefill bench` on
-SmolLM2-135M: on a Xeon with AMX, bf16 exact prefill is about 3x faster than fp32; on a Xeon with
-AVX512-BF16 but no AMX it is about 1.6x slower (2K tokens: 3.87 s against 2.38 s), so AVX512-BF16
-alone does not make bf16 the faster choice. What it is not: a benchmark; results record the CPU
-and its bf16 flags (results.py) so a reader can tell which baseline a ratio used.
+What it is: `pick_device` (CUDA when present) and `pick_dtype`: bf16 on CUDA, on CPUs with AMX
+tiles for bf16 (read from /proc/cpuinfo), and on CPUs with AVX512-BF16 alone where a short matmul
+probe runs bf16 at least `BF16_PROBE_GAIN` times faster than fp32; fp32 elsewhere. Why the probe:
+the flag alone does not tell. Measured exact prefill with `ridgefill bench`: on a Xeon with AMX,
+bf16 is about 3x faster than fp32 (SmolLM2-135M); on a Xeon with AVX512-BF16 but no AMX about 1.6x
+slower (SmolLM2-135M, 2K tokens: 3.87 s against 2.38 s); on an AMD EPYC with AVX512-BF16 2.1x
+faster (Qwen2.5-0.5B, 4K tokens: 14.4 s against 30.1 s), where the probe's matmul is 2.1x faster
+too. What it is not: a benchmark; results record the CPU and its bf16 flags (results.py) so a
+reader can tell which baseline a ratio used.
 """
 
 from __future__ import annotations
 
 import platform
+import time
+from collections.abc import Callable
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -20,6 +26,7 @@ from ridgefill.errors import RidgefillError
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 AMX_FLAGS = frozenset({"amx_bf16"})
+BF16_PROBE_GAIN = 1.3
 
 
 def cpuinfo_field(key: str, cpuinfo: str | None = None) -> str | None:
@@ -69,12 +76,41 @@ def pick_device(device: str = "auto") -> torch.device:
     return dev
 
 
-def pick_dtype(dtype: str, device: torch.device, cpuinfo: str | None = None) -> torch.dtype:
-    """`auto`: bf16 on CUDA (fp16 on a GPU without bf16) and on CPUs with AMX, else fp32."""
+@lru_cache(maxsize=1)
+def bf16_matmul_gain() -> float:
+    """How many times faster a model-sized CPU matmul (1024 x 896 by 896 x 2048) runs in bf16 than
+    in fp32 here: best of three after one warm-up, well under a second in all."""
+
+    def best(dt: torch.dtype) -> float:
+        a, w = torch.randn(1024, 896).to(dt), torch.randn(2048, 896).to(dt)
+        torch.nn.functional.linear(a, w)
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            torch.nn.functional.linear(a, w)
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    return best(torch.float32) / best(torch.bfloat16)
+
+
+def cpu_prefers_bf16(cpuinfo: str | None = None, gain: Callable[[], float] = bf16_matmul_gain) -> bool:
+    """Whether bf16 is the faster exact baseline on this CPU: AMX, or AVX512-BF16 where the probe
+    `gain` reaches `BF16_PROBE_GAIN`."""
+    if cpu_amx(cpuinfo):
+        return True
+    return bool(cpu_bf16(cpuinfo)) and gain() >= BF16_PROBE_GAIN
+
+
+def pick_dtype(
+    dtype: str, device: torch.device, cpuinfo: str | None = None, gain: Callable[[], float] = bf16_matmul_gain
+) -> torch.dtype:
+    """`auto`: bf16 on CUDA (fp16 on a GPU without bf16) and on CPUs where bf16 is faster
+    (`cpu_prefers_bf16`), else fp32."""
     if dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16 if cpu_amx(cpuinfo) else torch.float32
+        return torch.bfloat16 if cpu_prefers_bf16(cpuinfo, gain) else torch.float32
     if dtype not in DTYPES:
         raise RidgefillError(f"unknown dtype {dtype!r}; choose auto or one of {', '.join(DTYPES)}")
     return DTYPES[dtype]

@@ -158,7 +158,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: str = "auto", device: s
 
     Args:
         name_or_path: a short name (`ridgefill models list`), a HF model folder, or a .gguf file.
-        dtype: "auto" (bf16 on CUDA and on CPUs with AMX, else fp32; models/device.py),
+        dtype: "auto" (bf16 on CUDA and on CPUs where it runs faster, else fp32; models/device.py),
             "float32" (what the equivalence tests use), "bfloat16" or "float16".
         device: "auto" (CUDA when present), "cpu", "cuda" or "cuda:N".
     Raises:

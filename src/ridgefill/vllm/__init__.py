@@ -63,7 +63,7 @@ def prepare(
         method: ridge, identity, kva, off, or tuned: the shipped tuned configuration of an embedded
             model, less what vLLM cannot run (dropped rows); refused where it changes with the
             prompt length in what vLLM runs (default: the maps' method, else ridge).
-        dtype: auto (bf16 on CUDA and AMX CPUs, else fp32, as our own engine), float32, bfloat16.
+        dtype: auto (bf16 on CUDA and on CPUs where it runs faster, else fp32, as our own engine), float32, bfloat16.
         settings: sink, tail, outlier_factor, split (identity's, or which cached maps to take),
             query_rows, query_window, query_last, query_sentence, query_pool, query_layer,
             query_top (vllm/config.py).
