@@ -136,6 +136,24 @@ def test_query_rows_match_our_engine_for_prompts_scheduled_whole(prompts, ridge_
         assert out["tokens"] == ref.token_ids[:8]
 
 
+def test_length_buckets_give_each_request_its_own_rows_in_one_batch(prompts, ridge_maps, smollm2):
+    """One step holds a 450-token prompt (first bucket: query rows) and a 700-token one (second
+    bucket: a longer tail, none): each matches our engine run with its own bucket's settings."""
+    from ridgefill.fit.maps import load_maps
+    from ridgefill.generation import generate
+
+    buckets = [{"up_to": 500, "tail": 64, "query_rows": 96}, {"up_to": None, "tail": TAIL, "query_rows": 0}]
+    got = run_vllm({**spec(prompts, {"sink": SINK, "by_length": buckets}, ridge_maps, "ridge"), "chunk": 2048})
+    maps = load_maps(ridge_maps, smollm2)
+    for ids, out in zip(prompts, got, strict=True):
+        mine = next(b for b in buckets if b["up_to"] is None or len(ids) <= b["up_to"])
+        settings = {"sink": SINK, "tail": mine["tail"], "query_rows": mine["query_rows"]}
+        ref = generate(smollm2, torch.tensor([ids]), "ridge", maps=maps, max_new_tokens=8, **settings)
+        ref_lp = torch.log_softmax(ref.prefill.logits[-1].float(), -1)
+        assert max_logprob_gap(out["logprobs"][0], {t: float(ref_lp[int(t)]) for t in out["logprobs"][0]}) < FILL_TOL
+        assert out["tokens"] == ref.token_ids[:8]
+
+
 def test_fill_survives_preemption_and_recompute(smollm2, ridge_maps):
     """A KV cache of 11 blocks (128 tokens each) for three 630-token prompts that each need a
     sixth block while decoding: vLLM preempts requests, frees their blocks and later recomputes
@@ -278,33 +296,6 @@ def test_maps_of_another_model_corrupt_maps_and_bad_settings_are_refused(ridge_m
     with pytest.raises(RidgefillError) as e:
         LLM("smollm2-135m", ridge_maps, enable_prefix_caching=True)
     assert "prefix caching" in one_line(e)
-
-
-def test_tuned_takes_the_shipped_settings_the_plugin_runs():
-    from ridgefill.vllm import _tuned
-
-    method, settings = _tuned("qwen2.5-0.5b", {"tail": 64, "sink": None})
-    assert method == "ridge" and settings["split"] == 10 and settings["tail"] == 64 and settings["sink"] == 4
-    assert settings["query_rows"] == 512 and settings["query_layer"] == 11 and "drop" not in settings
-    with pytest.raises(RidgefillError) as e:
-        _tuned("my-model", {})
-    assert "no tuned fill configuration ships for my-model" in one_line(e)
-
-
-def test_tuned_by_length_runs_in_vllm_only_where_its_buckets_agree(monkeypatch):
-    from ridgefill.methods import tuned
-    from ridgefill.vllm import _tuned
-
-    short = {"up_to": 5793, "method": "ridge", "settings": {"split": 18, "tail": 512, "drop": 0.75}}
-    longer = {"up_to": None, "method": "ridge", "settings": {"split": 18, "tail": 512, "drop": 0.5}}
-    monkeypatch.setattr(tuned, "shipped_defaults", lambda: {"smollm2-135m": {"by_length": [short, longer]}})
-    assert _tuned("smollm2-135m", {}) == ("ridge", {"split": 18, "tail": 512})  # they differ in the drop alone
-    longer["settings"] = {"split": 15, "tail": 1024, "query_rows": 512}
-    with pytest.raises(RidgefillError) as e:
-        _tuned("smollm2-135m", {})
-    msg = one_line(e)
-    assert "changes with the prompt length" in msg and "up to 5793 tokens: --method ridge --split 18" in msg
-    assert "longer: --method ridge --split 15 --tail 1024 --query-rows 512" in msg
 
 
 def test_config_keys_architectures_and_engine_features_are_checked():

@@ -24,7 +24,7 @@ def test_tail_counts_from_the_prompts_end_across_chunks_and_decode_rows_run_full
     positions, qsl, plens = step_of([(256, 512), (450, 451), (0, 40)], [700, 450, 40])
     plan = prompt_step(positions, qsl, plens)
     s = FillSettings(sink=4, tail=200, outlier_factor=None)
-    rows = split_rows(plan, s, torch.ones(len(positions), 8))
+    rows = split_rows(plan, lambda n: s, torch.ones(len(positions), 8))
     full = set(rows.full.tolist())
     assert full == set(range(244, 256)) | {256} | set(range(257, 297))  # tail of 0, decode of 1, all of 2
     assert set(rows.bulk.tolist()) == set(range(0, 244))
@@ -39,7 +39,7 @@ def test_a_decode_only_step_is_the_stock_forward_and_outliers_run_fully():
     positions, qsl, plens = step_of([(0, 300)], [300])
     stream = torch.ones(300, 8)
     stream[100] *= 50  # a massive activation
-    rows = split_rows(prompt_step(positions, qsl, plens), FillSettings(sink=4, tail=16), stream)
+    rows = split_rows(prompt_step(positions, qsl, plens), lambda n: FillSettings(sink=4, tail=16), stream)
     assert 100 in rows.full.tolist() and 101 in rows.bulk.tolist()
 
 
@@ -54,8 +54,8 @@ def test_query_pool_prefers_a_sentence_to_a_lone_spike():
         sc[120:127] = 0.5  # a sentence the question attends to throughout
         return sc
 
-    plain = split_rows(plan, s, torch.ones(200, 8), scores)
-    pooled = split_rows(plan, replace(s, query_pool=7), torch.ones(200, 8), scores)
+    plain = split_rows(plan, lambda n: s, torch.ones(200, 8), scores)
+    pooled = split_rows(plan, lambda n: replace(s, query_pool=7), torch.ones(200, 8), scores)
     assert 50 in plain.full.tolist() and 123 not in plain.full.tolist()
     assert 123 in pooled.full.tolist() and 50 not in pooled.full.tolist()
 
@@ -72,7 +72,7 @@ def test_query_rows_pick_spans_only_for_prompts_scheduled_whole():
         sc[50] = 1.0
         return sc
 
-    rows = split_rows(plan, s, torch.ones(300, 8), scores)
+    rows = split_rows(plan, lambda n: s, torch.ones(300, 8), scores)
     assert asked == [(0, 200)]  # request 1's prompt is split across steps
     assert set(range(42, 58)) <= set(rows.full.tolist())
 

@@ -25,7 +25,7 @@ import torch
 
 from ridgefill.errors import MapError, RidgefillError
 from ridgefill.fit.maps import weights_digest
-from ridgefill.vllm.config import PREFIX_CACHING, SETTINGS, VllmFill, overrides
+from ridgefill.vllm.config import PREFIX_CACHING, ROW_SETTINGS, SETTINGS, VllmFill, overrides
 from ridgefill.vllm.plugin import PINNED_VLLM, check_version
 
 __all__ = ["LLM", "PINNED_VLLM", "SETTINGS", "Prepared", "overrides", "prepare", "serve_args"]
@@ -50,6 +50,7 @@ def prepare(
     method: str | None = None,
     *,
     dtype: str = "auto",
+    by_length: list[dict] | None = None,
     **settings,
 ) -> Prepared:
     """Check a model, map file and settings for vLLM; raise one `RidgefillError` line if wrong.
@@ -61,9 +62,12 @@ def prepare(
             the shipped tuned split of an embedded model where one split serves every length, else
             half the layers).
         method: ridge, identity, kva, off, or tuned: the shipped tuned configuration of an embedded
-            model, less what vLLM cannot run (dropped rows); refused where it changes with the
-            prompt length in what vLLM runs (default: the maps' method, else ridge).
+            model, less what vLLM cannot run (dropped rows), per request by its prompt length where
+            it is tuned per length; refused where its buckets differ in split or scoring (default:
+            the maps' method, else ridge).
         dtype: auto (bf16 on CUDA and on CPUs where it runs faster, else fp32, as our own engine), float32, bfloat16.
+        by_length: settings per prompt length, `[{"up_to": N or None, "tail": ..., ...}, ...]`
+            (vllm/config.py's `ridgefill_by_length`); given, it replaces a tuned configuration's.
         settings: sink, tail, outlier_factor, split (identity's, or which cached maps to take),
             query_rows, query_window, query_last, query_sentence, query_pool, query_layer,
             query_top (vllm/config.py).
@@ -78,12 +82,13 @@ def prepare(
     torch_dtype = pick_dtype(dtype, pick_device("auto"))
     method = method or (_maps_method(maps) if maps is not None else "ridge")
     if method == "tuned":
-        method, settings = _tuned(name, settings)
+        method, settings, tuned_by_length = _tuned(name, settings)
+        by_length = by_length if by_length is not None else tuned_by_length
     probes = None
     if maps is None and method in ("ridge", "kva"):
         probes = _checkpoint_probes(folder, config)
         maps = _cached_maps(name, config, method, settings.pop("split", None), torch_dtype, probes)
-    hf = overrides(arch, method, maps, **settings)
+    hf = overrides(arch, method, maps, by_length, **settings)
     merged = SimpleNamespace(**{**config, **hf})  # the model config as vLLM will see it
     fill = VllmFill.from_config(merged)
     loaded = fill.load_maps(merged)
@@ -94,9 +99,9 @@ def prepare(
 
 
 def LLM(model: str, maps: str | Path | None = None, method: str | None = None, *, dtype: str = "auto", **kwargs):  # noqa: N802
-    """vLLM's `LLM` with RidgeFill on. `kwargs` are fill settings (`SETTINGS`: sink, tail, ...)
-    and vLLM's own engine arguments; prefix caching is turned off."""
-    fill_keys = set(SETTINGS)
+    """vLLM's `LLM` with RidgeFill on. `kwargs` are fill settings (`SETTINGS`: sink, tail, ...;
+    `by_length` as in `prepare`) and vLLM's own engine arguments; prefix caching is turned off."""
+    fill_keys = {*SETTINGS, "by_length"}
     settings = {k: kwargs.pop(k) for k in list(kwargs) if k in fill_keys}
     if kwargs.get("enable_prefix_caching"):
         raise RidgefillError(PREFIX_CACHING)
@@ -120,10 +125,12 @@ def serve_args(p: Prepared) -> list[str]:
     ]
 
 
-def _tuned(name: str, settings: dict) -> tuple[str, dict]:
-    """The shipped tuned method and settings of an embedded model, as far as the plugin runs them;
-    settings given explicitly win. A configuration that changes with the prompt length is refused
-    where its buckets differ in what vLLM runs (one configuration per engine), naming each."""
+def _tuned(name: str, settings: dict) -> tuple[str, dict, list[dict] | None]:
+    """The shipped tuned method and settings of an embedded model, as far as the plugin runs them,
+    and its length buckets as `ridgefill_by_length` entries (None for one configuration); settings
+    given explicitly win in every bucket. Buckets that differ in more than which rows run fully
+    (`ROW_SETTINGS`: the split, say) are refused, naming each bucket's flags: one engine holds one
+    split and one set of maps."""
     from ridgefill.methods.fill import FillSettings
     from ridgefill.methods.tuned import buckets, shipped_defaults
 
@@ -132,23 +139,31 @@ def _tuned(name: str, settings: dict) -> tuple[str, dict]:
     if not found or any(b.method not in ("ridge", "kva", "identity") for b in found):
         raise RidgefillError(f"no tuned fill configuration ships for {name}; pass --method ridge and settings")
     default = FillSettings()
-    runs = [(b.method, {k: v for k, v in b.settings.items() if k in SETTINGS}) for b in found]
-    if any(r != runs[0] for r in runs[1:]):
+    runs = [(b.method, {k: b.settings.get(k, getattr(default, k)) for k in SETTINGS}) for b in found]
+
+    def shared(run: tuple[str, dict]) -> tuple[str, dict]:
+        return run[0], {k: v for k, v in run[1].items() if k not in ROW_SETTINGS}
+
+    if any(shared(r) != shared(runs[0]) for r in runs[1:]):
         flags = "; ".join(
             f"{'up to ' + str(b.up_to) + ' tokens' if b.up_to else 'longer'}: --method {m} "
             + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in s.items() if v != getattr(default, k, None))
             for b, (m, s) in zip(found, runs, strict=True)
         )
         raise RidgefillError(
-            f"{name}'s tuned configuration changes with the prompt length and vLLM runs one per engine; "
-            f"pass the one for your prompts ({flags})"
+            f"{name}'s tuned configuration changes its split or scoring with the prompt length and vLLM "
+            f"runs one per engine; pass the one for your prompts ({flags})"
         )
-    method, shipped = runs[0]
+    method = runs[0][0]
+    shipped = {k: v for k, v in found[0].settings.items() if k in SETTINGS}
     skipped = {k: v for k, v in found[0].settings.items() if k not in SETTINGS and v != getattr(default, k, v)}
     if skipped:
         log.info("ridgefill: vLLM runs %s's tuned fill without %s", name, skipped)
     given = {k: v for k, v in settings.items() if v is not None}
-    return method, {**shipped, **given}
+    rows = [{k: s[k] for k in ROW_SETTINGS if k not in given} for _, s in runs]
+    per_length = any(r != rows[0] for r in rows[1:])
+    by_length = [{"up_to": b.up_to, **r} for b, r in zip(found, rows, strict=True)]
+    return method, {**shipped, **given}, by_length if per_length else None
 
 
 def _cached_maps(

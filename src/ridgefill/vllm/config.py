@@ -17,6 +17,11 @@ Keys (all optional but the map file for ridge and kva):
   ridgefill_query_window, ridgefill_query_last, ridgefill_query_sentence, ridgefill_query_pool,
   ridgefill_query_layer, ridgefill_query_top
                             as in FillSettings
+  ridgefill_by_length       a configuration tuned per prompt length: a list of
+                            {"up_to": N or null, <row settings>} in ascending up_to, the last
+                            null; each request takes the first entry its prompt fits (at most
+                            up_to tokens), whose row settings (`ROW_SETTINGS`) replace the flat
+                            ones; the rest (split, sink, outliers, query layer and top) is shared
 """
 
 from __future__ import annotations
@@ -44,12 +49,16 @@ _KEYS = {
     "query_pool": int,
     "query_layer": int,
     "query_top": int,
+    "by_length": list,
 }
 PREFIX_CACHING = (
     "prefix caching would hand filled K/V to later requests as if exact; turn it off with RidgeFill "
     "(--no-enable-prefix-caching, enable_prefix_caching=False)"
 )
-SETTINGS = tuple(k for k in _KEYS if k not in ("method", "maps"))  # the fill settings by name
+SETTINGS = tuple(k for k in _KEYS if k not in ("method", "maps", "by_length"))  # the fill settings by name
+# The settings that only pick a request's full rows (step.split_rows): they may change with the
+# prompt length inside one engine; the others shape the model (which layers, maps and scores).
+ROW_SETTINGS = ("tail", "query_rows", "query_window", "query_last", "query_sentence", "query_pool")
 _DEFAULTS = FillSettings()
 
 # Our architectures and the stock vLLM class each one extends.
@@ -67,10 +76,28 @@ class VllmFill:
     method: str
     settings: FillSettings
     maps_path: str | None = None
+    by_length: tuple[tuple[int | None, FillSettings], ...] = ()  # ((up_to, settings), ...), or none
 
     @property
     def enabled(self) -> bool:
         return self.method != "off"
+
+    def settings_for(self, prompt_len: int) -> FillSettings:
+        """The settings of a request whose prompt has `prompt_len` tokens."""
+        return next((s for up_to, s in self.by_length if up_to is None or prompt_len <= up_to), self.settings)
+
+    @property
+    def every_settings(self) -> tuple[FillSettings, ...]:
+        """The flat settings and each length bucket's: what the model must be ready to run."""
+        return (self.settings, *(s for _, s in self.by_length))
+
+    @property
+    def query_rows(self) -> bool:
+        return any(s.query_rows for s in self.every_settings)
+
+    @property
+    def reads_sentences(self) -> bool:
+        return any(s.reads_sentences for s in self.every_settings)
 
     @classmethod
     def from_config(cls, config) -> VllmFill:
@@ -82,6 +109,8 @@ class VllmFill:
             valid = ", ".join(PREFIX + k for k in _KEYS)
             raise RidgefillError(f"unknown RidgeFill setting {PREFIX}{unknown[0]}; valid: {valid}")
         for key, value in found.items():
+            if key == "by_length":
+                continue
             want = _KEYS[key]
             ok = isinstance(value, want) or (want is float and isinstance(value, int))
             if not ok or isinstance(value, bool):
@@ -106,10 +135,12 @@ class VllmFill:
         if settings.query_layer is not None and method != "ridge":
             raise RidgefillError(f"{PREFIX}query_layer scores on the ridge maps' prediction; {method} makes none")
         num_layers = int(config.num_hidden_layers)
+        by_length = _by_length(found.get("by_length"), settings, method)
         # With maps and no split given, the maps' split decides: `load_maps` checks query_layer at it.
         deferred = reads_maps and settings.split is None
-        (replace(settings, query_layer=None) if deferred else settings).check(num_layers)
-        return cls(method, settings.at(num_layers), maps_path)
+        for s in (settings, *(b for _, b in by_length)):
+            (replace(s, query_layer=None) if deferred else s).check(num_layers)
+        return cls(method, settings.at(num_layers), maps_path, tuple((u, b.at(num_layers)) for u, b in by_length))
 
     def load_maps(self, config) -> FillMaps | None:
         """The map file, checked against the config's dimensions; the settings take its split."""
@@ -135,16 +166,51 @@ class VllmFill:
         return maps
 
     def with_split(self, split: int) -> VllmFill:
-        return replace(self, settings=replace(self.settings, split=split))
+        by_length = tuple((u, replace(s, split=split)) for u, s in self.by_length)
+        return replace(self, settings=replace(self.settings, split=split), by_length=by_length)
+
+
+def _by_length(entries: object, settings: FillSettings, method: str) -> tuple[tuple[int | None, FillSettings], ...]:
+    """`ridgefill_by_length` checked: ((up_to, the flat settings with the entry's row settings), ...)."""
+    if entries is None:
+        return ()
+    key = PREFIX + "by_length"
+    if not isinstance(entries, list | tuple) or not entries or not all(isinstance(e, dict) for e in entries):
+        raise RidgefillError(f'{key} must be a non-empty list of {{"up_to": N or null, <row settings>}}')
+    if method == "off":
+        raise RidgefillError(f"{key} is given but {PREFIX}method is off")
+    bounds = [e.get("up_to") for e in entries]
+    ints = all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in bounds[:-1])
+    if "up_to" not in entries[-1] or bounds[-1] is not None or not ints or bounds[:-1] != sorted(set(bounds[:-1])):
+        raise RidgefillError(f"{key} needs ascending positive up_to bounds, the last one null (any longer prompt)")
+    out = []
+    for entry in entries:
+        rows = {k: v for k, v in entry.items() if k != "up_to"}
+        for k, v in rows.items():
+            if k not in ROW_SETTINGS:
+                raise RidgefillError(
+                    f"{key}: {k!r} cannot change with the prompt length; per length: {', '.join(ROW_SETTINGS)}"
+                )
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise RidgefillError(f"{key}: {k} must be int, got {v!r}")
+        out.append((entry["up_to"], replace(settings, **rows)))
+    return tuple(out)
 
 
 def _split_given(config) -> bool:
     return getattr(config, PREFIX + "split", None) is not None
 
 
-def overrides(architecture: str, method: str = "ridge", maps: str | Path | None = None, **settings) -> dict:
+def overrides(
+    architecture: str,
+    method: str = "ridge",
+    maps: str | Path | None = None,
+    by_length: list[dict] | None = None,
+    **settings,
+) -> dict:
     """`hf_overrides` that turn RidgeFill on for a checkpoint of `architecture` (its config's
-    first entry), e.g. overrides("LlamaForCausalLM", maps="m.safetensors", tail=512)."""
+    first entry), e.g. overrides("LlamaForCausalLM", maps="m.safetensors", tail=512); `by_length`
+    as `ridgefill_by_length`."""
     if architecture not in ARCHITECTURES:
         supported = ", ".join(sorted(ARCHITECTURES))
         raise RidgefillError(f"RidgeFill in vLLM does not support {architecture}; supported: {supported}")
@@ -156,4 +222,6 @@ def overrides(architecture: str, method: str = "ridge", maps: str | Path | None 
             raise RidgefillError(f"unknown RidgeFill setting {key!r}; valid: {', '.join(SETTINGS)}")
         if value is not None:
             out[PREFIX + key] = value
+    if by_length is not None:
+        out[PREFIX + "by_length"] = [dict(e) for e in by_length]
     return out

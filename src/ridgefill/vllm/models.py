@@ -66,9 +66,9 @@ class RidgeFillMixin:
             self._check_fingerprint()
             split = self.ridgefill.settings.split
             self._ridgefill_kv = {i: step.projection_rows(layers[i], "kv") for i in range(split, len(layers))}
-            if self.ridgefill.settings.query_rows:
+            if self.ridgefill.query_rows:
                 self._ridgefill_q = step.projection_rows(layers[self._ridgefill_score_layer], "q")
-            if self.ridgefill.settings.reads_sentences:
+            if self.ridgefill.reads_sentences:
                 self._sentence_table()  # decoding the vocabulary once takes seconds: not in a request
         return loaded
 
@@ -162,18 +162,20 @@ class RidgeFillMixin:
         return out
 
     def _split_rows(self, plan: step.Step, input_ids, positions, stream) -> step.Rows:
-        s = self.ridgefill.settings
-        if not s.query_rows:
-            return step.split_rows(plan, s, stream)
+        fill = self.ridgefill
+        s = fill.settings  # split, query layer and top: one for every length bucket
+        if not fill.query_rows:
+            return step.split_rows(plan, fill.settings_for, stream)
         at = self._ridgefill_score_layer
         layer, kv = self.model.layers[at], self._ridgefill_kv[at]
 
-        def scores(a: int, b: int) -> torch.Tensor:
+        def scores(a: int, b: int) -> torch.Tensor:  # a whole prompt: b - a is its length
             h = stream[a:b] if at == s.split else self.ridgefill_maps.predict(stream[a:b], at)
-            return step.token_scores(layer, self._ridgefill_q, kv, h, positions[a:b], s.query_last, s.query_top)
+            last = fill.settings_for(b - a).query_last
+            return step.token_scores(layer, self._ridgefill_q, kv, h, positions[a:b], last, s.query_top)
 
         ends = None
-        if s.reads_sentences and input_ids is not None:
+        if fill.reads_sentences and input_ids is not None:
             table = self._sentence_table()
             ends = table[input_ids[: len(plan.pos)].cpu().clamp(0, len(table) - 1)].to(stream.device)
         for r in range(len(plan.qsl) - 1):
@@ -187,7 +189,7 @@ class RidgeFillMixin:
                     "max_num_batched_tokens above your longest prompt to keep them",
                     int(plan.plen[a]),
                 )
-        return step.split_rows(plan, s, stream, scores, ends)
+        return step.split_rows(plan, fill.settings_for, stream, scores, ends)
 
     @property
     def _ridgefill_score_layer(self) -> int:

@@ -17,6 +17,7 @@ arithmetic's reference (methods/fill.py, which this matches within float toleran
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -85,44 +86,47 @@ def whole_prompt(step: Step, r: int) -> tuple[int, int] | None:
 
 def split_rows(
     step: Step,
-    settings: FillSettings,
+    settings_for: Callable[[int], FillSettings],
     stream: torch.Tensor,
     scores=None,
     ends: torch.Tensor | None = None,
 ) -> Rows:
-    """Sort a step's rows into full and bulk. stream: (T, d) split-layer states, for outlier rows
-    (each request's median over its rows in this step; the whole prompt's when it is scheduled
-    in one step, as in methods/fill.py).
+    """Sort a step's rows into full and bulk. settings_for(prompt length) gives each request's
+    settings (one configuration, or its length bucket's). stream: (T, d) split-layer states, for
+    outlier rows (each request's median over its rows in this step; the whole prompt's when it is
+    scheduled in one step, as in methods/fill.py).
 
-    With `settings.query_rows`, `scores(a, b)` gives the (b - a,) split-layer attention score of a
-    whole prompt scheduled at rows [a, b), pooled over `query_pool` tokens, and the best-scoring
-    spans run fully (methods/select.py; `ends`: (T,) sentence ends for `query_sentence`). A
-    prompt split across steps gets none: its question arrives after its bulk was filled."""
+    With `query_rows`, `scores(a, b)` gives the (b - a,) split-layer attention score of a whole
+    prompt scheduled at rows [a, b), pooled over `query_pool` tokens, and the best-scoring spans
+    run fully (methods/select.py; `ends`: (T,) sentence ends for `query_sentence`). A prompt split
+    across steps gets none: its question arrives after its bulk was filled."""
     pos, req, qsl = step.pos, step.req, step.qsl
-    full = (pos < settings.sink) | (pos >= step.plen - settings.tail)
-    if settings.outlier_factor is not None:
-        norms = stream[: len(pos)].float().norm(dim=-1)
-        for r in range(len(qsl) - 1):
-            a, b = int(qsl[r]), int(qsl[r + 1])
-            if b > a:
-                seg = norms[a:b]
-                full[a:b] |= seg > settings.outlier_factor * seg.median()
-    if settings.query_rows:
-        for r in range(len(qsl) - 1):
-            span = whole_prompt(step, r)
-            if span is None:
-                continue
-            a, b = span
-            reach = settings.query_sentence if ends is not None else 0
-            picked = pick_spans(
-                pool_scores(scores(a, b), settings.query_pool),
-                ~full[a:b],
-                settings.query_rows,
-                settings.query_window,
-                ends[a:b] if reach else None,
-                reach,
-            )
-            full[a:b] |= picked
+    reqs = [(r, int(qsl[r]), int(qsl[r + 1])) for r in range(len(qsl) - 1) if qsl[r + 1] > qsl[r]]
+    per = {r: settings_for(int(step.plen[a])) for r, a, _ in reqs}  # each scheduled request's settings
+    full = torch.zeros_like(pos, dtype=torch.bool)
+    norms = stream[: len(pos)].float().norm(dim=-1)
+    for r, a, b in reqs:
+        s = per[r]
+        full[a:b] = (pos[a:b] < s.sink) | (pos[a:b] >= step.plen[a:b] - s.tail)
+        if s.outlier_factor is not None:
+            seg = norms[a:b]
+            full[a:b] |= seg > s.outlier_factor * seg.median()
+    for r, _, _ in reqs:
+        s = per[r]
+        span = whole_prompt(step, r) if s.query_rows else None
+        if span is None:
+            continue
+        a, b = span
+        reach = s.query_sentence if ends is not None else 0
+        picked = pick_spans(
+            pool_scores(scores(a, b), s.query_pool),
+            ~full[a:b],
+            s.query_rows,
+            s.query_window,
+            ends[a:b] if reach else None,
+            reach,
+        )
+        full[a:b] |= picked
     full_idx = full.nonzero().squeeze(1)
     bulk_idx = (~full).nonzero().squeeze(1)
     # Runs: consecutive full rows of one request.
