@@ -50,7 +50,9 @@ def test_every_shipped_configuration_runs_in_vllm_or_is_refused_in_one_line():
             continue
         settings.pop("query_layer", None)  # scored on ridge maps' prediction, which identity (no maps) lacks
         fill = VllmFill.from_config(
-            SimpleNamespace(num_hidden_layers=32, **overrides("LlamaForCausalLM", "identity", by_length, **settings))
+            SimpleNamespace(
+                num_hidden_layers=32, **overrides("LlamaForCausalLM", "identity", by_length=by_length, **settings)
+            )
         )
         assert fill.settings.split == settings["split"] and len(fill.by_length) == len(by_length or ())
 
