@@ -8,9 +8,9 @@ model classes repeat every check. What it is not: the mechanism (vllm/step.py, v
 
 Limits, each refused with one line: prefix caching (it would hand filled K/V to later
 requests), pipeline parallelism, speculative decoding, LoRA, quantized K/V projections, and
-Gemma3 (sliding-window layers in another KV cache group). Query-aware full rows are not offered
-inside vLLM: a chunked prompt's question arrives after its bulk was filled. Fill steps run
-eagerly (no CUDA graphs); decode steps are vLLM's own.
+Gemma3 (sliding-window layers in another KV cache group). Query-aware full rows apply only to
+prompts scheduled whole in one step: a chunked prompt's question arrives after its bulk was
+filled. Fill steps run eagerly (no CUDA graphs); decode steps are vLLM's own.
 """
 
 from __future__ import annotations
