@@ -25,7 +25,15 @@ from ridgefill.fit.maps import FillMaps, default_maps_dir, load_maps, maps_filen
 from ridgefill.methods.fill import FillSettings
 from ridgefill.methods.gate import GateSettings
 from ridgefill.methods.registry import METHODS, get_method, maps_read, reads_maps
-from ridgefill.methods.tuned import TUNED, default_method, has_tuned, shipped_defaults, tuned_config, tuned_path
+from ridgefill.methods.tuned import (
+    TUNED,
+    default_method,
+    for_length,
+    has_tuned,
+    shipped_defaults,
+    tuned_config,
+    tuned_path,
+)
 from ridgefill.models.loading import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -55,7 +63,7 @@ class Prefill:
 
     def for_length(self, n: int) -> Prefill:
         """The prefill that runs a prompt of `n` tokens."""
-        return next((p for up_to, p in self.by_length if up_to is None or n <= up_to), self)
+        return for_length(self.by_length, n, self)
 
     @property
     def variants(self) -> list[Prefill]:

@@ -27,6 +27,17 @@ log = logging.getLogger(__name__)
 TUNED = "tuned"
 
 
+def for_length(by_length, n: int, default):
+    """The entry of `by_length` ((up_to, value), ...) that serves a prompt of `n` tokens: the first
+    whose `up_to` holds it (None: any length); `default` where there is none."""
+    return next((v for up_to, v in by_length if up_to is None or n <= up_to), default)
+
+
+def ascending_bounds(bounds: list) -> bool:
+    """Whether length buckets' `up_to` bounds are well formed: ascending, the last one None."""
+    return bool(bounds) and bounds[-1] is None and None not in bounds[:-1] and bounds[:-1] == sorted(set(bounds[:-1]))
+
+
 @dataclass(frozen=True)
 class Bucket:
     """One tuned configuration: `method` with `settings` for prompts of at most `up_to` tokens
@@ -105,7 +116,7 @@ def buckets(entry: object, where: str) -> tuple[Bucket, ...]:
         raise MapError(f"{where}: by_length must be a non-empty list")
     out = tuple(one(item, item.get("up_to") if isinstance(item, dict) else 0) for item in items)
     bounds = [b.up_to for b in out]
-    if bounds[-1] is not None or None in bounds[:-1] or bounds[:-1] != sorted(set(bounds[:-1])):
+    if not ascending_bounds(bounds):
         raise MapError(f"{where}: by_length needs ascending up_to bounds, the last one null")
     return out
 

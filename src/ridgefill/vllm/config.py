@@ -32,6 +32,7 @@ from pathlib import Path
 from ridgefill.errors import MapError, RidgefillError
 from ridgefill.fit.maps import FillMaps, load_maps
 from ridgefill.methods.fill import FillSettings
+from ridgefill.methods.tuned import ascending_bounds, for_length
 
 METHODS = ("ridge", "identity", "kva", "off")
 PREFIX = "ridgefill_"
@@ -84,7 +85,7 @@ class VllmFill:
 
     def settings_for(self, prompt_len: int) -> FillSettings:
         """The settings of a request whose prompt has `prompt_len` tokens."""
-        return next((s for up_to, s in self.by_length if up_to is None or prompt_len <= up_to), self.settings)
+        return for_length(self.by_length, prompt_len, self.settings)
 
     @property
     def every_settings(self) -> tuple[FillSettings, ...]:
@@ -181,7 +182,7 @@ def _by_length(entries: object, settings: FillSettings, method: str) -> tuple[tu
         raise RidgefillError(f"{key} is given but {PREFIX}method is off")
     bounds = [e.get("up_to") for e in entries]
     ints = all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in bounds[:-1])
-    if "up_to" not in entries[-1] or bounds[-1] is not None or not ints or bounds[:-1] != sorted(set(bounds[:-1])):
+    if "up_to" not in entries[-1] or not ints or not ascending_bounds(bounds):
         raise RidgefillError(f"{key} needs ascending positive up_to bounds, the last one null (any longer prompt)")
     out = []
     for entry in entries:

@@ -104,7 +104,8 @@ def split_rows(
     reqs = [(r, int(qsl[r]), int(qsl[r + 1])) for r in range(len(qsl) - 1) if qsl[r + 1] > qsl[r]]
     per = {r: settings_for(int(step.plen[a])) for r, a, _ in reqs}  # each scheduled request's settings
     full = torch.zeros_like(pos, dtype=torch.bool)
-    norms = stream[: len(pos)].float().norm(dim=-1)
+    outliers = any(s.outlier_factor is not None for s in per.values())
+    norms = stream[: len(pos)].float().norm(dim=-1) if outliers else None
     for r, a, b in reqs:
         s = per[r]
         full[a:b] = (pos[a:b] < s.sink) | (pos[a:b] >= step.plen[a:b] - s.tail)
