@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from ridgefill.errors import RidgefillError
 from ridgefill.fit.maps import FillMaps
+from ridgefill.fit.ridge import fit_rows
 from ridgefill.methods.fill import FillSettings
 from ridgefill.methods.select import pick_spans, pool_scores, reduce_queries
 
@@ -104,14 +105,11 @@ def split_rows(
     reqs = [(r, int(qsl[r]), int(qsl[r + 1])) for r in range(len(qsl) - 1) if qsl[r + 1] > qsl[r]]
     per = {r: settings_for(int(step.plen[a])) for r, a, _ in reqs}  # each scheduled request's settings
     full = torch.zeros_like(pos, dtype=torch.bool)
-    outliers = any(s.outlier_factor is not None for s in per.values())
-    norms = stream[: len(pos)].float().norm(dim=-1) if outliers else None
     for r, a, b in reqs:
         s = per[r]
         full[a:b] = (pos[a:b] < s.sink) | (pos[a:b] >= step.plen[a:b] - s.tail)
         if s.outlier_factor is not None:
-            seg = norms[a:b]
-            full[a:b] |= seg > s.outlier_factor * seg.median()
+            full[a:b] |= ~fit_rows(stream[a:b], 0, s.outlier_factor)
     for r, _, _ in reqs:
         s = per[r]
         span = whole_prompt(step, r) if s.query_rows else None
