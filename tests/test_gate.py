@@ -411,3 +411,96 @@ def test_gate_scoring_at_a_predicted_layer_keeps_rows_that_run_fully(fitted):
 def test_bad_scoring_settings_are_refused(settings, match):
     with pytest.raises(RidgefillError, match=match):
         run_prefill(Engine(make_tiny("llama")), _ids(60), "tokengate", settings=_gate(**settings))
+
+
+def _naive_subset_scores(eng: Engine, layer: int, h: torch.Tensor, pos: torch.Tensor, last: int) -> torch.Tensor:
+    """Scores of rows at prompt positions `pos` (inputs h, (1, T, d)) among themselves: one head
+    and one query at a time, each query seeing the rows at or before it, RoPE at true positions."""
+    lp = eng.parts.layers[layer]
+    cos, sin = eng.rope(int(pos.max()) + 1, h)[lp.layer_type]
+    x = lp.input_norm(h)
+    q = eng.project_q(layer, x, cos[:, pos], sin[:, pos])[0]  # (H, T, hd)
+    k = eng.project_kv(layer, x, cos[:, pos], sin[:, pos])[0][0]  # (Hkv, T, hd)
+    t, group = len(pos), q.shape[0] // k.shape[0]
+    per_head = []
+    for head in range(q.shape[0]):
+        rows = []
+        for j in range(t - last, t):
+            w = ((k[head // group, : j + 1] @ q[head, j]) * lp.scaling).softmax(-1)
+            rows.append(torch.cat([w, torch.zeros(t - j - 1)]))
+        per_head.append(torch.stack(rows).mean(0))
+    return torch.stack(per_head).amax(0)
+
+
+def test_scores_among_a_subset_of_rows_equal_a_naive_reference(tiny):
+    """The second stage scores the rows the gate kept among themselves at their true positions."""
+    from ridgefill.methods.select import token_score_sets
+
+    eng = Engine(tiny)
+    ids = _ids(60)
+    pos = torch.cat([torch.arange(0, 20), torch.arange(33, 60)])
+    with torch.inference_mode():
+        st = eng.run_lower(ids, 1)
+        h = st.h[:, pos]
+        got = token_score_sets(eng, 1, h, st.tables, 6, (0,), pos=pos)[0]
+        want = _naive_subset_scores(eng, 1, h, pos, 6)
+        whole = token_score_sets(eng, 1, st.h, st.tables, 6, (0,))[0]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert got.shape == (len(pos),) and not torch.allclose(got, whole[pos])
+
+
+def _two_stage_reference(eng: Engine, ids: torch.Tensor, middle: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """Logits of the last row when layer 1 sees only `middle` rows and layer 2 only `full` rows."""
+    st = eng.run_lower(ids, 1)
+    h, *_ = eng.layer(1, st.h[:, middle], middle, st.tables)
+    at = torch.searchsorted(middle, full)
+    h, *_ = eng.layer(2, h[:, at], full, st.tables)
+    return eng.logits(h[0, -1:])
+
+
+@pytest.mark.parametrize("sentence", [0, 8])
+def test_two_stage_gate_narrows_at_the_refine_layer(tiny, sentence):
+    """A second gate at refine_layer keeps the best of the first gate's rows by that layer's own
+    scores among those rows; they run every layer, the others stop there; keep-all equals exact."""
+    from dataclasses import replace
+
+    from ridgefill.methods.gate import always_kept
+
+    lm = replace(tiny, tokenizer=_EveryTenthEndsASentence())
+    n = 96
+    ids = _ids(n)
+    ids[0, ::7] = 30  # a sentence end every 7 tokens
+    eng = Engine(lm)
+    s = _gate(keep=0.5, refine_layer=2, refine_keep=0.25, sentence=sentence, window=2, query_last=8)
+    res = run_prefill(eng, ids, "tokengate", settings=s)
+    middle, full = res.plan.middle, res.plan.full
+    assert res.plan.refine == 2 and len(full) < len(middle) < n
+    assert bool(torch.isin(full, middle).all())
+    assert hf.cache_kv(res.cache, 1)[0].shape[2] == len(middle) or tiny.parts.layers[1].sliding_window
+    assert hf.cache_kv(res.cache, 2)[0].shape[2] == len(full) or tiny.parts.layers[2].sliding_window
+    always = always_kept(n, s.sink, s.local, s.tail)
+    with torch.inference_mode():
+        st = eng.run_lower(ids, 1)
+        h, *_ = eng.layer(1, st.h[:, middle], middle, st.tables)
+        scores = _naive_subset_scores(eng, 2, h, middle, s.query_last).masked_fill(always[middle], -1.0)
+        ref = _two_stage_reference(eng, ids, middle, full)
+    assert int(middle[int(scores.argmax())]) in full.tolist()  # the second stage's best row survives
+    torch.testing.assert_close(res.logits, ref, atol=1e-4, rtol=0)
+    everything = run_prefill(eng, ids, "tokengate", settings=replace(s, keep=1.0, refine_keep=1.0))
+    _assert_same(everything, eng.prefill_exact(ids), tiny.num_layers)
+    once = plan_macs(tiny.parts, n, replace(res.plan, refine=None, middle=None))
+    assert once < plan_macs(tiny.parts, n, res.plan) < exact_macs(tiny.parts, n)
+
+
+@pytest.mark.parametrize(
+    "settings,match",
+    [
+        (dict(refine_layer=1), "refine_layer 1 must be above the gate layer 1"),
+        (dict(refine_layer=3), "refine_layer 3"),
+        (dict(refine_layer=2, refine_keep=0.0), "refine_keep"),
+        (dict(refine_layer=2, keep=0.25, refine_keep=0.5), "refine_keep 0.5 must not exceed keep 0.25"),
+    ],
+)
+def test_bad_refine_settings_are_refused(settings, match):
+    with pytest.raises(RidgefillError, match=match):
+        run_prefill(Engine(make_tiny("llama")), _ids(60), "tokengate", settings=_gate(**settings))

@@ -54,7 +54,8 @@ def exact_macs(parts: ModelParts, n: int) -> int:
 def plan_macs(parts: ModelParts, n: int, plan: Plan) -> int:
     """MACs of a skipping prefill described by its `plan` (`PrefillResult.plan`; see `Plan`).
 
-    Deep keys default to every row; lower layers to dense attention; no layer resumes by default.
+    Deep keys default to every row; lower layers to dense attention; no layer resumes by default;
+    a two-stage gate runs `middle` from the split to `refine` and `full` from there.
     """
     d = parts.hidden_size
     split, n_fill, fill = plan.split, plan.filled, plan.fill
@@ -79,6 +80,11 @@ def plan_macs(parts: ModelParts, n: int, plan: Plan) -> int:
                 total += lower_pairs.pop(0) * per_attn_pair
             else:
                 total += _attn_macs(range(n), lp.sliding_window, lp.num_heads, lp.head_dim)
+            continue
+        if plan.refine is not None and i < plan.refine:  # a two-stage gate's first stage
+            middle = torch.as_tensor(plan.middle, dtype=torch.long).cpu()
+            total += len(middle) * (c["q"] + c["kv"] + c["o"] + c["mlp"])
+            total += _attn_macs(middle, lp.sliding_window, lp.num_heads, lp.head_dim, middle)
             continue
         total += len(full) * (c["q"] + c["kv"] + c["o"] + c["mlp"])
         total += _attn_macs(full, lp.sliding_window, lp.num_heads, lp.head_dim, keys)

@@ -41,6 +41,9 @@ class Plan:
         resume: layers from it up ran every kept row again; None when none did.
         score_layer: the deeper layer a gate scored with, on every row's predicted input (a map
             GEMM and that layer's K projection per row); None when it scored at its own layer.
+        refine: the layer where a two-stage gate narrowed its rows to `full`; None when it did not.
+        middle: with `refine`, the sorted positions that ran layers [split, refine) and were the
+            keys there.
     """
 
     split: int
@@ -51,6 +54,8 @@ class Plan:
     lower_pairs: list[int] | None = None
     resume: int | None = None
     score_layer: int | None = None
+    refine: int | None = None
+    middle: torch.Tensor | None = None
 
 
 @dataclass

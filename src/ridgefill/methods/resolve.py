@@ -107,7 +107,8 @@ class Prefill:
         if s is None:
             return self.method
         if isinstance(s, GateSettings):
-            return f"{self.method} gate layer {s.gate_layer}, keep {s.keep:g}, tail {s.tail}"
+            refine = "" if s.refine_layer is None else f", then layer {s.refine_layer} keeps {s.refine_keep:g}"
+            return f"{self.method} gate layer {s.gate_layer}, keep {s.keep:g}{refine}, tail {s.tail}"
         extra = (f", {s.query_rows} query rows" if s.query_rows else "") + (f", drop {s.drop:g}" if s.drop else "")
         return f"{self.method} split {s.split}, tail {s.tail}{extra}"
 

@@ -45,19 +45,29 @@ def token_scores(engine: Engine, layer: int, h: torch.Tensor, tables, last: int,
 
 @torch.inference_mode()
 def token_score_sets(
-    engine: Engine, layer: int, h: torch.Tensor, tables, last: int, tops: tuple[int, ...]
+    engine: Engine,
+    layer: int,
+    h: torch.Tensor,
+    tables,
+    last: int,
+    tops: tuple[int, ...],
+    pos: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
-    """`token_scores` for each query reduction in `tops`, from one attention computation."""
+    """`token_scores` for each query reduction in `tops`, from one attention computation.
+
+    pos: (T,) ascending prompt positions of h's rows (default 0..T-1, the whole prompt); the last
+    `last` of them query, each seeing the rows at or before its position."""
     n = h.shape[1]
     lp = engine.parts.layers[layer]
     cos, sin = tables[lp.layer_type]
+    idx = torch.arange(n, device=h.device) if pos is None else pos
+    cos, sin = cos[:, idx], sin[:, idx]
     x = lp.input_norm(h)
     qs = slice(max(0, n - last), n)
     q = engine.project_q(layer, x[:, qs], cos[:, qs], sin[:, qs])  # (1, H, Q, hd)
     k, _ = engine.project_kv(layer, x, cos, sin)  # (1, Hkv, N, hd)
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     att = (q @ k.transpose(-1, -2)) * lp.scaling  # (1, H, Q, N)
-    idx = torch.arange(n, device=att.device)
     att = att.masked_fill(idx[None, :] > idx[qs][:, None], float("-inf")).softmax(-1)
     return [reduce_queries(att[0], top) for top in tops]
 
