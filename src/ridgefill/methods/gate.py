@@ -13,8 +13,9 @@ attention whose kept blocks are the gate's).
 
 Two stages (`refine_layer`): a cheap early gate keeps a generous share, and at a deeper layer the
 kept rows are scored again by that layer's own attention among themselves, the signal that finds
-a needle best (on Qwen2.5-0.5B layer 11 ranks it first where layer 6 ranks it 1st-240th), and
-narrowed to `refine_keep` of the prompt. Rows the second stage drops stop there, as at the gate.
+a needle best (in 10 multikey prompts on Qwen2.5-0.5B layer 11 ranks it first, layer 6 anywhere
+from 1st to 240th), and narrowed to `refine_keep` of the prompt. Rows the second stage drops stop
+there, as at the gate.
 
 Dropped tokens' KV: absent from the gate layer and above. The cache holds every row for the
 layers below the gate and only the kept rows above it, so decode sees exactly what the prompt's
