@@ -61,6 +61,7 @@ def plan_macs(parts: ModelParts, n: int, plan: Plan) -> int:
     split, n_fill, fill = plan.split, plan.filled, plan.fill
     full = torch.as_tensor(plan.full, dtype=torch.long).cpu()
     keys = None if plan.deep_keys is None else torch.as_tensor(plan.deep_keys).cpu()
+    middle = None if plan.refine is None else torch.as_tensor(plan.middle, dtype=torch.long).cpu()
     lower_pairs = list(plan.lower_pairs or [])
     resume = plan.resume or len(parts.layers)
     total = n_fill * (d + 1) * d if fill == "ridge" and resume < len(parts.layers) else 0  # resume's input
@@ -81,13 +82,9 @@ def plan_macs(parts: ModelParts, n: int, plan: Plan) -> int:
             else:
                 total += _attn_macs(range(n), lp.sliding_window, lp.num_heads, lp.head_dim)
             continue
-        if plan.refine is not None and i < plan.refine:  # a two-stage gate's first stage
-            middle = torch.as_tensor(plan.middle, dtype=torch.long).cpu()
-            total += len(middle) * (c["q"] + c["kv"] + c["o"] + c["mlp"])
-            total += _attn_macs(middle, lp.sliding_window, lp.num_heads, lp.head_dim, middle)
-            continue
-        total += len(full) * (c["q"] + c["kv"] + c["o"] + c["mlp"])
-        total += _attn_macs(full, lp.sliding_window, lp.num_heads, lp.head_dim, keys)
+        rows, seen = (middle, middle) if middle is not None and i < plan.refine else (full, keys)
+        total += len(rows) * (c["q"] + c["kv"] + c["o"] + c["mlp"])
+        total += _attn_macs(rows, lp.sliding_window, lp.num_heads, lp.head_dim, seen)
         if fill == "none":
             continue
         if i == split or fill == "identity":

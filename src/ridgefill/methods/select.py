@@ -60,8 +60,9 @@ def token_score_sets(
     n = h.shape[1]
     lp = engine.parts.layers[layer]
     cos, sin = tables[lp.layer_type]
+    if pos is not None:
+        cos, sin = cos[:, pos], sin[:, pos]
     idx = torch.arange(n, device=h.device) if pos is None else pos
-    cos, sin = cos[:, idx], sin[:, idx]
     x = lp.input_norm(h)
     qs = slice(max(0, n - last), n)
     q = engine.project_q(layer, x[:, qs], cos[:, qs], sin[:, qs])  # (1, H, Q, hd)
