@@ -464,6 +464,7 @@ def test_two_stage_gate_narrows_at_the_refine_layer(tiny, sentence):
     scores among those rows; they run every layer, the others stop there; keep-all equals exact."""
     from dataclasses import replace
 
+    from ridgefill.eval.adapter import needle_rows
     from ridgefill.methods.gate import always_kept
 
     lm = replace(tiny, tokenizer=_EveryTenthEndsASentence())
@@ -485,6 +486,14 @@ def test_two_stage_gate_narrows_at_the_refine_layer(tiny, sentence):
         scores = _naive_subset_scores(eng, 2, h, middle, s.query_last).masked_fill(always[middle], -1.0)
         ref = _two_stage_reference(eng, ids, middle, full)
     assert int(middle[int(scores.argmax())]) in full.tolist()  # the second stage's best row survives
+    # Eval's needle ranks: the second score covers the first stage's rows only.
+    rs, cand = res.diagnostics["refine_scores"], res.diagnostics["refine_candidates"]
+    assert cand.tolist() == [i in middle.tolist() and not always[i] for i in range(n)]
+    assert bool(torch.isinf(rs[~torch.isin(torch.arange(n), middle)]).all())
+    best = int(rs.masked_fill(~cand, float("-inf")).argmax())
+    assert needle_rows(res, (best, best + 1))["needle_rank_refine"] == 1
+    dropped = next(i for i in range(n) if i not in middle.tolist())
+    assert "needle_rank_refine" not in needle_rows(res, (dropped, dropped + 1))
     torch.testing.assert_close(res.logits, ref, atol=1e-4, rtol=0)
     everything = run_prefill(eng, ids, "tokengate", settings=replace(s, keep=1.0, refine_keep=1.0))
     _assert_same(everything, eng.prefill_exact(ids), tiny.num_layers)

@@ -75,6 +75,16 @@ def test_tune_cli_takes_token_gates_and_refuses_other_methods():
         GateSettings(pool=7),
     )
     assert gate_candidates("") == ()
+    crossed = gate_candidates("tokengate:keep=0.375|0.5:refine_layer=11:refine_keep=0.125|0.25, tokengate:keep=0.5")
+    assert [(g.keep, g.refine_layer, g.refine_keep) for g in crossed] == [
+        (0.375, 11, 0.125),
+        (0.375, 11, 0.25),
+        (0.5, 11, 0.125),
+        (0.5, 11, 0.25),
+        (0.5, None, 0.125),
+    ]
+    with pytest.raises(RidgefillError, match="bad method option"):
+        gate_candidates("tokengate:keep")
     with pytest.raises(RidgefillError, match="takes tokengate configurations"):
         gate_candidates("ridge:tail=512")
     with pytest.raises(RidgefillError, match="unknown setting 'split'"):

@@ -35,18 +35,27 @@ def _maps_for(lm, splits: list[int], args: argparse.Namespace) -> dict:
 
 
 def gate_candidates(text: str) -> tuple:
-    """`--gates`: comma-separated tokengate configurations (`tokengate:keep=0.3:sentence=64`)."""
+    """`--gates`: comma-separated tokengate configurations (`tokengate:keep=0.3:sentence=64`). A
+    value written `a|b` crosses: `tokengate:keep=0.375|0.5:refine_layer=11` is two candidates."""
+    from itertools import product
+
     from ridgefill.errors import RidgefillError
     from ridgefill.methods.gate import GateSettings
     from ridgefill.methods.resolve import check_values, parse_method
 
     out = []
     for spec in filter(None, (t.strip() for t in text.split(","))):
-        name, values = parse_method(spec)
+        name, *opts = spec.split(":")
         if name != "tokengate":
             raise RidgefillError(f"--gates takes tokengate configurations (tokengate:key=value...), not {spec!r}")
-        check_values(name, GateSettings, values)
-        out.append(GateSettings(**values))
+        choices = [
+            [f"{o.partition('=')[0]}={v}" for v in o.partition("=")[2].split("|")] if "=" in o else [o] for o in opts
+        ]
+        for picked in product(*choices):
+            _, values = parse_method(":".join([name, *picked]))
+            check_values(name, GateSettings, values)
+            if GateSettings(**values) not in out:
+                out.append(GateSettings(**values))
     return tuple(out)
 
 
@@ -265,7 +274,8 @@ def tune_args(p: argparse.ArgumentParser) -> None:
         "--gates",
         default="",
         help="tokengate configurations measured beside the fills, comma-separated "
-        "(tokengate:sentence=64:score_layer=14); one that scores at a deeper layer reads ridge maps at its gate layer",
+        "(tokengate:sentence=64:score_layer=14); a|b crosses values (tokengate:keep=0.375|0.5:refine_layer=11); "
+        "one that scores at a deeper layer reads ridge maps at its gate layer",
     )
     p.add_argument("--wave", type=int, default=12, help="NIAH-stage candidates at a time, fastest first")
     p.add_argument("--maps", type=Path, default=None, help="map folder (default: the model's cache folder)")

@@ -93,6 +93,8 @@ def needle_rows(res: PrefillResult, span: tuple[int, int] | None) -> dict:
     tokengate: kept rows); absent when the method ran every row (exact, or a prompt too short to
     skip). `needle_rank`: 1 + the candidate rows the query score (fill: at the split layer;
     tokengate: at the gate layer) put above the needle's best token; absent without that score.
+    `needle_rank_refine`: the same under a two-stage gate's second score, among the rows its first
+    stage kept; absent when none of the needle's tokens got that far.
     """
     if span is None or res.ran_exact or res.plan is None:
         return {}
@@ -102,12 +104,22 @@ def needle_rows(res: PrefillResult, span: tuple[int, int] | None) -> dict:
     inside = full[(full >= lo) & (full < hi)] - lo
     ran[inside] = True
     out = {"needle_full": round(float(ran.float().mean()), 3)}
-    scores, cand = res.diagnostics.get("row_scores"), res.diagnostics.get("score_candidates")
-    if scores is not None:
+    for name, scores_key, cand_key in _RANKS:
+        scores, cand = res.diagnostics.get(scores_key), res.diagnostics.get(cand_key)
+        if scores is None:
+            continue
         scores, cand = scores.cpu(), cand.cpu()
         best = scores[lo:hi].max()
-        out["needle_rank"] = int((scores.masked_fill(~cand, float("-inf")) > best).sum()) + 1
+        if best > float("-inf"):
+            out[name] = int((scores.masked_fill(~cand, float("-inf")) > best).sum()) + 1
     return out
+
+
+# (record field, diagnostics score key, diagnostics candidate-mask key) of each needle rank.
+_RANKS = (
+    ("needle_rank", "row_scores", "score_candidates"),
+    ("needle_rank_refine", "refine_scores", "refine_candidates"),
+)
 
 
 def _encode(lm: LoadedModel, sample: Sample) -> torch.Tensor:

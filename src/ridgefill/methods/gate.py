@@ -221,9 +221,11 @@ def prefill_tokengate(
     ends = sentence_ends(engine, input_ids) if s.reads_sentences else None
     kpos = _select(s, scores, always, ~always, s.keep, ends)
     h, middle = st.h[:, kpos], None
+    diagnostics = {"row_scores": scores, "score_candidates": ~always}  # eval's needle ranks
     for i in range(g, parts.num_layers):
         if i == s.refine_layer:
-            h, kpos, middle = _refine(engine, s, h, kpos, st.tables, always, ends)
+            h, kpos, middle, refined = _refine(engine, s, h, kpos, st.tables, always, ends)
+            diagnostics |= {"refine_scores": refined, "refine_candidates": _mask(middle, always) & ~always}
         h, k, v, _ = engine.layer(i, h, kpos, st.tables)
         hf.cache_update(cache, k, v, i, true_length=n)
     logits, rows = engine.logits_at(h, kpos, logit_rows, "the gate dropped")
@@ -248,7 +250,7 @@ def prefill_tokengate(
         ),
         attn_seconds=st.attn_seconds + engine.attn_seconds - a1,
         settings=ran,
-        diagnostics={"row_scores": scores, "score_candidates": ~always},  # eval's needle rank
+        diagnostics=diagnostics,
     )
 
 
@@ -278,15 +280,20 @@ def _refine(
     tables,
     always: torch.Tensor,
     ends: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The second stage at `refine_layer`: rows `kpos` (inputs h, (1, T, d)) scored by that layer's
     attention among themselves and narrowed to `refine_keep`. Returns (h, kpos) of the rows that
-    continue and the rows that ran up to here."""
+    continue, the rows that ran up to here and the scores (N,), -inf on rows that stopped before."""
     compact = token_score_sets(engine, s.refine_layer, h, tables, s.query_last, (s.query_top,), pos=kpos)[0]
     scores = torch.full(always.shape, float("-inf"), device=h.device, dtype=compact.dtype)
     scores[kpos] = pool_scores(compact, s.pool)
-    ran = torch.zeros_like(always)
-    ran[kpos] = True
-    nxt = _select(s, scores, always, ran & ~always, s.refine_keep, ends)
+    nxt = _select(s, scores, always, _mask(kpos, always) & ~always, s.refine_keep, ends)
     at = torch.searchsorted(kpos, nxt)
-    return h[:, at], nxt, kpos
+    return h[:, at], nxt, kpos, scores
+
+
+def _mask(pos: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A boolean row mask shaped like `like`, true at positions `pos`."""
+    out = torch.zeros_like(like)
+    out[pos] = True
+    return out
