@@ -208,5 +208,23 @@ def test_needle_breakdown_reads_the_same_in_the_eval_report_and_the_needles_tabl
     (line,) = report.needle_lines([{"method": "ridge", "length": 4096, "needle_rows": nr}])
     want = "ridge @ 4096: needle rows ran full in 3 (100.0 vs exact 100.0), none in 1 (0.0 vs exact -)"
     assert line == want + "; median rank of the needle by row score 2"
+    (two,) = report.needle_lines(
+        [{"method": "tokengate", "length": 4096, "needle_rows": {**nr, "rank_refine_median": 1}}]
+    )
+    assert two.endswith("by row score 2, by the second gate's score 1")
     row = needles.markdown([{"method": "ridge", "task": "niah_single_1", "prompts": 4, **nr}]).splitlines()[-1]
     assert row == "| ridge | niah_single_1 | 4 | 3 | 0 | 1 | 2 | 9 | 100.0 vs exact 100.0 | - | 0.0 vs exact - |"
+
+
+def test_needle_breakdown_ranks_both_gate_stages():
+    from ridgefill.eval.runner import needle_breakdown
+
+    ranks = [(5, 1), (9, 2), (300, None)]  # the third needle did not reach the second stage
+    rows = {
+        i: {"score": 100.0, "needle_full": 1.0, "needle_rank": r, **({"needle_rank_refine": q} if q else {})}
+        for i, (r, q) in enumerate(ranks)
+    }
+    out = needle_breakdown(rows, {})
+    assert (out["rank_median"], out["rank_refine_median"], out["rank_refine_p90"]) == (9, 2, 2)
+    one_stage = needle_breakdown({0: {"score": 0.0, "needle_full": 0.0, "needle_rank": 3}}, {})
+    assert one_stage["rank_median"] == 3 and "rank_refine_median" not in one_stage

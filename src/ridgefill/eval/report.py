@@ -83,6 +83,8 @@ def needle_lines(pooled: list[dict]) -> list[str]:
             if nr[kind]["prompts"]:
                 parts.append(f"{kind} in {nr[kind]['prompts']} ({breakdown_case(nr[kind])})")
         rank = "" if nr["rank_median"] is None else f"; median rank of the needle by row score {nr['rank_median']}"
+        if nr.get("rank_refine_median") is not None:
+            rank += f", by the second gate's score {nr['rank_refine_median']}"
         out.append(f"{r['method']} @ {r['length']}: needle rows ran {', '.join(parts)}{rank}")
     return out
 

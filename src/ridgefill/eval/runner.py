@@ -149,7 +149,8 @@ def _mean(xs: list[float]) -> float | None:
 def needle_breakdown(rows: dict[tuple, dict], exact: dict[tuple, dict]) -> dict | None:
     """Scores split by whether a method ran the needle's rows fully (all, part or none of its
     tokens), beside exact's on the same prompts, and the needle's rank under the row score (median,
-    90th percentile), from records that carry `needle_full` / `needle_rank`; None without them."""
+    90th percentile; `rank_refine_*` under a two-stage gate's second score, where records carry
+    one), from records that carry `needle_full` / `needle_rank`; None without them."""
     known = [k for k, r in rows.items() if r.get("needle_full") is not None]
     if not known:
         return None
@@ -162,9 +163,11 @@ def needle_breakdown(rows: dict[tuple, dict], exact: dict[tuple, dict]) -> dict 
             "score": _mean([rows[k]["score"] for k in ks if rows[k].get("score") is not None]),
             "exact_score": _mean([exact[k]["score"] for k in ks if k in exact]),
         }
-    ranks = sorted(rows[k]["needle_rank"] for k in known if rows[k].get("needle_rank") is not None)
-    out["rank_median"] = ranks[len(ranks) // 2] if ranks else None
-    out["rank_p90"] = ranks[min(len(ranks) - 1, int(0.9 * len(ranks)))] if ranks else None
+    for field, name in (("needle_rank", "rank"), ("needle_rank_refine", "rank_refine")):
+        ranks = sorted(rows[k][field] for k in known if rows[k].get(field) is not None)
+        if ranks or field == "needle_rank":
+            out[f"{name}_median"] = ranks[len(ranks) // 2] if ranks else None
+            out[f"{name}_p90"] = ranks[min(len(ranks) - 1, int(0.9 * len(ranks)))] if ranks else None
     return out
 
 
