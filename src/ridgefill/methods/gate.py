@@ -225,7 +225,7 @@ def prefill_tokengate(
     for i in range(g, parts.num_layers):
         if i == s.refine_layer:
             h, kpos, middle, refined = _refine(engine, s, h, kpos, st.tables, always, ends)
-            diagnostics |= {"refine_scores": refined, "refine_candidates": _mask(middle, always) & ~always}
+            diagnostics |= refined
         h, k, v, _ = engine.layer(i, h, kpos, st.tables)
         hf.cache_update(cache, k, v, i, true_length=n)
     logits, rows = engine.logits_at(h, kpos, logit_rows, "the gate dropped")
@@ -280,20 +280,17 @@ def _refine(
     tables,
     always: torch.Tensor,
     ends: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """The second stage at `refine_layer`: rows `kpos` (inputs h, (1, T, d)) scored by that layer's
     attention among themselves and narrowed to `refine_keep`. Returns (h, kpos) of the rows that
-    continue, the rows that ran up to here and the scores (N,), -inf on rows that stopped before."""
+    continue, the rows that ran up to here, and eval's diagnostics: the scores (N,), -inf on rows
+    that stopped before, and the candidates they chose among."""
     compact = token_score_sets(engine, s.refine_layer, h, tables, s.query_last, (s.query_top,), pos=kpos)[0]
     scores = torch.full(always.shape, float("-inf"), device=h.device, dtype=compact.dtype)
     scores[kpos] = pool_scores(compact, s.pool)
-    nxt = _select(s, scores, always, _mask(kpos, always) & ~always, s.refine_keep, ends)
+    candidates = torch.zeros_like(always)
+    candidates[kpos] = True
+    candidates &= ~always
+    nxt = _select(s, scores, always, candidates, s.refine_keep, ends)
     at = torch.searchsorted(kpos, nxt)
-    return h[:, at], nxt, kpos, scores
-
-
-def _mask(pos: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A boolean row mask shaped like `like`, true at positions `pos`."""
-    out = torch.zeros_like(like)
-    out[pos] = True
-    return out
+    return h[:, at], nxt, kpos, {"refine_scores": scores, "refine_candidates": candidates}
