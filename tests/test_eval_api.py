@@ -238,3 +238,32 @@ def test_needles_refuses_bad_input(capsys, tmp_path):
     assert "not needle task(s): vt" in capsys.readouterr().err
     assert main(["experimental", "needles", "--samples", "1", "--scores", str(tmp_path / "none.jsonl")]) == 2
     assert "eval cache not found" in capsys.readouterr().err
+
+
+def test_needles_ranks_per_layer_as_the_gate_at_that_layer_does(tmp_path, capsys):
+    from ridgefill.corpus import DEFAULT_CORPUS_DIR
+
+    if not DEFAULT_CORPUS_DIR.is_dir():
+        pytest.skip("needs Debian's python3.11-doc (`make` installs it)")
+    common = ["experimental", "needles", "--tasks", "niah_single_2", "--samples", "2", "--length", "1024"]
+    assert main([*common, "--layers", "3,7-8", "--out", str(tmp_path / "l.json")]) == 0
+    assert "| 7 | top query | 2 |" in capsys.readouterr().out
+    layers = json.loads((tmp_path / "l.json").read_text())
+    gates = {f"tokengate:gate_layer={g}:min_length=0:query_top={t}": (g, t) for g in (3, 8) for t in (0, 1)}
+    assert main([*common, "--methods", ",".join(gates), "--out", str(tmp_path / "g.json")]) == 0
+    got = json.loads((tmp_path / "g.json").read_text())["records"]
+    assert len(layers["records"]) == 2 and len(got) == 8
+    by_prompt = {r["prompt"]: r["ranks"] for r in layers["records"]}
+    assert all(sorted(ranks) == ["3", "7", "8"] for ranks in by_prompt.values())
+    for r in got:  # one dense pass ranks the needle exactly as a gate at that layer scores it
+        g, t = gates[r["method"]]
+        assert by_prompt[r["prompt"]][str(g)]["top query" if t else "mean"] == r["needle_rank"]
+    summary = {(s["layer"], s["score"]): s for s in layers["summary"]}
+    assert summary[(7, "mean")]["prompts"] == 2 and summary[(7, "mean")]["worst"] >= summary[(7, "mean")]["median"]
+
+
+def test_needles_refuses_layers_with_methods_or_outside_the_model(capsys):
+    assert main(["experimental", "needles", "--layers", "4-11", "--methods", "ridge"]) == 2
+    assert "drop --methods" in capsys.readouterr().err
+    assert main(["experimental", "needles", "--layers", "20-40", "--samples", "1"]) == 2
+    assert "layers must lie within 1..29" in capsys.readouterr().err

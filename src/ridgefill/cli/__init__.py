@@ -71,7 +71,8 @@ EXAMPLES = {
     "needles": """examples:
   ridgefill experimental needles --methods ridge:query_rows=512 --split 15 --samples 10
   ridgefill experimental needles --methods ridge:query_rows=512 --split 15 --samples 50 \\
-      --scores results/samples/eval_smollm2-135m_4k.samples.jsonl --out needles_q512.json""",
+      --scores results/samples/eval_smollm2-135m_4k.samples.jsonl --out needles_q512.json
+  ridgefill experimental needles --layers 4-11 --length 8192 --samples 10 --domain prose""",
     "tune": """examples:
   ridgefill tune --model smollm2-135m --budget-niah 2 --budget-ppl 5
   ridgefill tune --model qwen2.5-0.5b --splits 8,10,12 --out results/tune_qwen.json --plot results/tune_qwen.png
@@ -365,10 +366,18 @@ def add_experimental(sub, fmt) -> None:
     d.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_single_3,niah_multikey_1")
     d.add_argument("--length", type=int, default=4096)
     d.add_argument("--samples", type=int, default=50, help="samples per task (eval's prompts with the same seed)")
-    d.add_argument("--methods", default="ridge:query_rows=512", help="variants as name:key=value")
+    d.add_argument(
+        "--methods", default=None, help="variants as name:key=value (default: ridge:query_rows=512, unless --layers)"
+    )
+    d.add_argument(
+        "--layers",
+        default=None,
+        help="instead of methods: the needle's rank under the gate's row score at each of these layers' own "
+        "attention, e.g. 4-11 or 5,7,11 (one dense pass per prompt)",
+    )
     fill_args(d)
     d.add_argument("--seed", type=int, default=42)
-    d.add_argument("--corpus", default=None, help="essay haystack source (evaluation split is used)")
+    text_args(d, "your own essay haystack: file, .jsonl or folder (evaluation split is used)")
     d.add_argument("--scores", type=Path, default=None, help="an eval per-sample JSONL cache: join its scores")
     d.add_argument("--out", type=Path, default=None, help="JSON output")
     d.set_defaults(func=cmd_needles)

@@ -281,27 +281,54 @@ def cmd_ablation(args: argparse.Namespace) -> int:
 
 
 def cmd_needles(args: argparse.Namespace) -> int:
-    from ridgefill.corpus import load_corpus
     from ridgefill.eval import needles
     from ridgefill.eval.ruler import NIAH_TASKS
     from ridgefill.results import write_json
 
     if args.scores is not None and not args.scores.is_file():
         raise RidgefillError(f"eval cache not found: {args.scores}")
-    tasks, lm, specs, _, essay = _ruler_setup(
-        args, [args.length], NIAH_TASKS, "not needle task(s):", lambda a: load_corpus(a.corpus)
-    )
-    if not specs:
-        raise RidgefillError("name at least one method that skips rows (exact runs the needle in full)")
-    records = needles.needle_records(lm, specs, list(tasks), args.length, args.samples, essay, args.seed, args.scores)
-    summary = needles.summarise_needles(records)
-    print(needles.markdown(summary))
+    if args.layers is not None:
+        if args.methods is not None or args.scores is not None:
+            raise RidgefillError("--layers ranks the needle at layers, not methods: drop --methods and --scores")
+        args.methods = ""
+    elif args.methods is None:
+        args.methods = "ridge:query_rows=512"
+    tasks, lm, specs, _, essay = _ruler_setup(args, [args.length], NIAH_TASKS, "not needle task(s):", eval_corpus)
+    if args.layers is not None:
+        layers = layer_range(args.layers, lm.num_layers)
+        records = needles.layer_rank_records(lm, list(tasks), args.length, args.samples, essay, layers, args.seed)
+        summary = needles.summarise_layer_ranks(records)
+        print(needles.layers_markdown(summary))
+    else:
+        if not specs:
+            raise RidgefillError("name at least one method that skips rows (exact runs the needle in full)")
+        records = needles.needle_records(
+            lm, specs, list(tasks), args.length, args.samples, essay, args.seed, args.scores
+        )
+        summary = needles.summarise_needles(records)
+        print(needles.markdown(summary))
     if args.out:
         write_json(
             args.out, {"model": lm.name, "length": args.length, "summary": summary, "records": records}, args.argv
         )
         print(f"written to {args.out}")
     return 0
+
+
+def layer_range(text: str, num_layers: int) -> list[int]:
+    """Layers named as "4-11" (inclusive) and/or "5,7,11", each within 1..num_layers - 1."""
+    out: set[int] = set()
+    for part in names(text):
+        lo, sep, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi if sep else lo)
+        except ValueError:
+            raise RidgefillError(f"expected layers such as 4-11 or 5,7,11, got {text!r}") from None
+        out.update(range(first, last + 1))
+    bad = sorted(x for x in out if not 1 <= x < num_layers)
+    if not out or bad:
+        raise RidgefillError(f"layers must lie within 1..{num_layers - 1}; got {text!r}")
+    return sorted(out)
 
 
 def cmd_vllm_bench(args: argparse.Namespace) -> int:

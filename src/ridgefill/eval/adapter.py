@@ -106,13 +106,20 @@ def needle_rows(res: PrefillResult, span: tuple[int, int] | None) -> dict:
     out = {"needle_full": round(float(ran.float().mean()), 3)}
     for name, scores_key, cand_key in _RANKS:
         scores, cand = res.diagnostics.get(scores_key), res.diagnostics.get(cand_key)
-        if scores is None:
-            continue
-        scores, cand = scores.cpu(), cand.cpu()
-        best = scores[lo:hi].max()
-        if best > float("-inf"):
-            out[name] = int((scores.masked_fill(~cand, float("-inf")) > best).sum()) + 1
+        rank = None if scores is None else needle_rank(scores, cand, span)
+        if rank is not None:
+            out[name] = rank
     return out
+
+
+def needle_rank(scores: torch.Tensor, candidates: torch.Tensor, span: tuple[int, int]) -> int | None:
+    """1 + the `candidates` rows whose score (N,) beats the best of the needle's tokens [lo, hi);
+    None when every needle token scores -inf (rows that stopped before this score)."""
+    scores, candidates = scores.float().cpu(), candidates.cpu()
+    best = scores[span[0] : span[1]].max()
+    if best == float("-inf"):
+        return None
+    return int((scores.masked_fill(~candidates, float("-inf")) > best).sum()) + 1
 
 
 # (record field, diagnostics score key, diagnostics candidate-mask key) of each needle rank.

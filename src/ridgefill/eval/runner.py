@@ -164,11 +164,18 @@ def needle_breakdown(rows: dict[tuple, dict], exact: dict[tuple, dict]) -> dict 
             "exact_score": _mean([exact[k]["score"] for k in ks if k in exact]),
         }
     for field, name in (("needle_rank", "rank"), ("needle_rank_refine", "rank_refine")):
-        ranks = sorted(rows[k][field] for k in known if rows[k].get(field) is not None)
+        ranks = [rows[k][field] for k in known if rows[k].get(field) is not None]
         if ranks or field == "needle_rank":
-            out[f"{name}_median"] = ranks[len(ranks) // 2] if ranks else None
-            out[f"{name}_p90"] = ranks[min(len(ranks) - 1, int(0.9 * len(ranks)))] if ranks else None
+            out[f"{name}_median"], out[f"{name}_p90"] = rank_stats(ranks)
     return out
+
+
+def rank_stats(ranks: list[int]) -> tuple[int | None, int | None]:
+    """(median, 90th percentile) of needle ranks; (None, None) without any."""
+    ranks = sorted(ranks)
+    if not ranks:
+        return None, None
+    return ranks[len(ranks) // 2], ranks[min(len(ranks) - 1, int(0.9 * len(ranks)))]
 
 
 def breakdown_case(c: dict) -> str:
