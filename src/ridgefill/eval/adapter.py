@@ -113,8 +113,8 @@ def needle_rows(res: PrefillResult, span: tuple[int, int] | None) -> dict:
 
 
 def needle_rank(scores: torch.Tensor, candidates: torch.Tensor, span: tuple[int, int]) -> int | None:
-    """1 + the `candidates` rows whose score (N,) beats the best of the needle's tokens [lo, hi);
-    None when every needle token scores -inf (rows that stopped before this score)."""
+    """1 + the `candidates` rows whose score (N,) beats the best of the needle's tokens (`span`,
+    [start, end)); None when every needle token scores -inf (rows that stopped before this score)."""
     scores, candidates = scores.float().cpu(), candidates.cpu()
     best = scores[span[0] : span[1]].max()
     if best == float("-inf"):

@@ -5,7 +5,7 @@ and method the share of the needle's tokens that ran every layer and the needle'
 split-layer row score (`adapter.needle_rows`). Given an eval cache, each record is joined with that
 method's and exact's scores on the same prompt (same configuration key), so the misses split by
 cause: the needle not selected, partly selected, or selected and still missed. With `layers`, it
-also asks where the model finds the needle: the needle's rank under the gate's row score at each
+instead asks where the model finds the needle: the needle's rank under the gate's row score at each
 named layer's own attention, from one dense pass per prompt, the evidence for choosing a gate's
 layers per model. What it is not: an evaluation (nothing is decoded; scores come from the cache
 when given).
