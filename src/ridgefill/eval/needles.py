@@ -23,7 +23,7 @@ from ridgefill.eval.ppl import shared_lower
 from ridgefill.eval.runner import breakdown_case, needle_breakdown, rank_stats, read_records
 from ridgefill.methods import Prefill
 from ridgefill.methods.gate import GateSettings, always_kept
-from ridgefill.methods.select import token_score_sets
+from ridgefill.methods.select import row_score_sets
 from ridgefill.models.loading import LoadedModel
 
 
@@ -83,7 +83,8 @@ def layer_rank_records(
     """One record per prompt: `ranks`, per layer in `layers` and per query reduction in
     `LAYER_SCORES`, the needle's rank under the gate's row score at that layer's own attention
     (`query_last` queries, as `GateSettings` defaults them), among the rows a gate may drop (its
-    default sinks, local window and tail excluded). Layers run once per prompt, densely."""
+    default sinks, local window and tail excluded). `layers` ascending; they run once per prompt,
+    densely."""
     engine, g = Engine(lm), GateSettings()
     out = []
     bar = tqdm(total=len(tasks) * samples, desc=f"layer ranks {lm.name}", unit="prompt")
@@ -92,9 +93,9 @@ def layer_rank_records(
             n, span = p.input_ids.shape[1], (p.needle_pos, p.needle_end)
             candidates = ~always_kept(n, g.sink, g.local, g.tail, engine.device)
             st, ranks = None, {}
-            for layer in sorted(layers):
+            for layer in layers:
                 st = engine.run_lower(p.input_ids, layer, start=st)
-                sets = token_score_sets(engine, layer, st.h, st.tables, g.query_last, tuple(LAYER_SCORES.values()))
+                sets = row_score_sets(engine, layer, st.h, st.tables, g.query_last, tops=tuple(LAYER_SCORES.values()))
                 ranks[str(layer)] = {
                     name: needle_rank(sc, candidates, span) for name, sc in zip(LAYER_SCORES, sets, strict=True)
                 }
