@@ -38,6 +38,19 @@ def test_tuned_takes_the_shipped_settings_the_plugin_runs(monkeypatch):
     assert "no tuned fill configuration ships for my-model" in one_line(e)
 
 
+def test_tuned_with_a_gated_bucket_is_refused_naming_it(monkeypatch):
+    from ridgefill.methods import tuned
+    from ridgefill.vllm import _tuned
+
+    short = {"up_to": 12000, "method": "ridge", "settings": {"split": 10, "tail": 512}}
+    longer = {"up_to": None, "method": "tokengate", "settings": {"gate_layer": 5, "keep": 0.5}}
+    monkeypatch.setattr(tuned, "shipped_defaults", lambda: {"qwen2.5-0.5b": {"by_length": [short, longer]}})
+    with pytest.raises(RidgefillError) as e:
+        _tuned("qwen2.5-0.5b", {})
+    msg = one_line(e)
+    assert "uses tokengate for longer prompts" in msg and "runs the fills only" in msg
+
+
 def test_every_shipped_configuration_runs_in_vllm_or_is_refused_in_one_line():
     from ridgefill.methods.tuned import shipped_defaults
     from ridgefill.vllm import _tuned
