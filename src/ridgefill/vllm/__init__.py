@@ -25,7 +25,7 @@ import torch
 
 from ridgefill.errors import MapError, RidgefillError
 from ridgefill.fit.maps import weights_digest
-from ridgefill.vllm.config import METHODS, PREFIX_CACHING, ROW_SETTINGS, SETTINGS, VllmFill, overrides
+from ridgefill.vllm.config import PREFIX_CACHING, ROW_SETTINGS, SETTINGS, VllmFill, overrides
 from ridgefill.vllm.plugin import PINNED_VLLM, check_version
 
 __all__ = ["LLM", "PINNED_VLLM", "SETTINGS", "Prepared", "overrides", "prepare", "serve_args"]
@@ -131,20 +131,20 @@ def _tuned(name: str, settings: dict) -> tuple[str, dict, list[dict] | None]:
     given explicitly win in every bucket. Buckets that differ in more than which rows run fully
     (`ROW_SETTINGS`: the split, say) are refused, naming each bucket's flags: one engine holds one
     split and one set of maps."""
-    from ridgefill.methods.fill import FillSettings
+    from ridgefill.methods.fill import FILL_METHODS, FillSettings
     from ridgefill.methods.tuned import buckets, shipped_defaults
 
     entry = shipped_defaults().get(name)
     found = buckets(entry, f"the shipped configuration of {name}") if entry is not None else ()
     if not found:
         raise RidgefillError(f"no tuned fill configuration ships for {name}; pass --method ridge and settings")
-    gated = [b for b in found if b.method not in METHODS]
+    gated = [b for b in found if b.method not in FILL_METHODS]
     if gated:
         span = {None: "for longer prompts" if len(found) > 1 else "at every length"}
         where = ", ".join(f"{b.method} {span.get(b.up_to, f'up to {b.up_to} tokens')}" for b in gated)
         raise RidgefillError(
-            f"{name}'s tuned configuration uses {where}, and the vLLM plugin runs the fills only (ridge, kva, "
-            "identity); pass --method ridge and settings, or run it with `ridgefill serve`"
+            f"{name}'s tuned configuration uses {where}, and the vLLM plugin runs the fills only "
+            f"({', '.join(FILL_METHODS)}); pass --method ridge and settings, or run it with `ridgefill serve`"
         )
     default = FillSettings()
     runs = [(b.method, {k: b.settings.get(k, getattr(default, k)) for k in SETTINGS}) for b in found]
