@@ -31,10 +31,10 @@ from pathlib import Path
 
 from ridgefill.errors import MapError, RidgefillError
 from ridgefill.fit.maps import FillMaps, load_maps
-from ridgefill.methods.fill import FillSettings
+from ridgefill.methods.fill import FILL_METHODS, FillSettings
 from ridgefill.methods.tuned import ascending_bounds, for_length
 
-METHODS = ("ridge", "identity", "kva", "off")
+METHODS = (*FILL_METHODS, "off")
 PREFIX = "ridgefill_"
 _KEYS = {
     "method": str,
