@@ -14,7 +14,7 @@ import torch
 
 from ridgefill.cli import main
 from ridgefill.errors import RidgefillError
-from ridgefill.eval import ruler
+from ridgefill.eval import passkey, ruler
 from ridgefill.eval.api import Adapter, Task
 from ridgefill.eval.dummy import FILLER, DummyAdapter, DummyTask
 from ridgefill.eval.runner import run_eval, summarise
@@ -27,13 +27,16 @@ def test_implementations_satisfy_the_interfaces():
     from conftest import make_tiny
     from ridgefill.eval.adapter import EngineAdapter
 
-    for task in (DummyTask(), ruler.RulerTask("niah_single_2", ESSAY), ruler.RulerTask("vt")):
+    tasks = (DummyTask(), ruler.RulerTask("niah_single_2", ESSAY), ruler.RulerTask("vt"), passkey.PasskeyTask(ESSAY))
+    for task in tasks:
         assert isinstance(task, Task)
     assert isinstance(DummyAdapter(), Adapter)
     assert isinstance(EngineAdapter(make_tiny("llama"), [Prefill("exact", "exact")]), Adapter)
 
 
-@pytest.mark.parametrize("task", [DummyTask(), ruler.RulerTask("niah_single_1"), ruler.RulerTask("vt")])
+@pytest.mark.parametrize(
+    "task", [DummyTask(), ruler.RulerTask("niah_single_1"), ruler.RulerTask("vt"), passkey.PasskeyTask(ESSAY)]
+)
 def test_samples_fill_the_budget_and_are_seeded(task):
     adapter = DummyAdapter()
     budget = 600 - task.max_new_tokens
@@ -52,6 +55,29 @@ def test_dummy_task_is_maximal_and_scores_by_containment():
     assert adapter.count_tokens(s) + len(FILLER.split()) > 300 - task.max_new_tokens
     key = s.answers[0]
     assert task.score(f" {key}.", s) == 100.0 and task.score(" 12.", s) == 0.0
+
+
+def test_passkey_spreads_its_depths_and_scores_the_key(tmp_path):
+    from ridgefill.eval.tasks import make_task
+
+    task, adapter = make_task("passkey", ESSAY), DummyAdapter()
+    samples = task.samples(adapter.count_tokens, 1000, 12, seed=0)
+    words = [s.text.split() for s in samples]
+    where = [w.index("pass") / len(w) for w in words]  # the needle's first word, as a share of the prompt
+    assert where[0] < 0.05 and where[9] > 0.95 and sorted(where[:10]) == where[:10]
+    assert abs(where[10] - where[0]) < 0.05  # the 11th sample starts the depths again
+    keys = [s.answers[0] for s in samples]
+    assert len(set(keys)) == 12 and all(
+        len(k) == 5 and k in s.needles[0] and s.needles[0] in s.text for k, s in zip(keys, samples, strict=True)
+    )
+    assert task.score(f" {keys[0]}.", samples[0]) == 100.0 and task.score(" 12345.", samples[0]) == 0.0
+    recs = run_eval(adapter, [task], [1000], 10, tmp_path / "c.jsonl", tail=64)
+    by = {(r["method"], r["index"]): r["score"] for r in recs}
+    assert [by["forgetful", i] for i in range(10)] == [0.0] * 9 + [100.0]  # only the last depth is in the tail
+    with pytest.raises(RidgefillError, match="unknown task 'passkeys'; choose from niah_single_1.*passkey"):
+        make_task("passkeys", ESSAY)
+    with pytest.raises(RidgefillError, match="needs essay sentences"):
+        make_task("passkey", ())
 
 
 def test_run_pairs_every_method_with_exact(tmp_path):
@@ -249,7 +275,8 @@ def test_needles_ranks_per_layer_as_the_gate_at_that_layer_does(tmp_path, capsys
     assert main([*common, "--layers", "3,7-8", "--out", str(tmp_path / "l.json")]) == 0
     assert "| 7 | top query | 2 |" in capsys.readouterr().out
     layers = json.loads((tmp_path / "l.json").read_text())
-    gates = {f"tokengate:gate_layer={g}:min_length=0:query_top={t}": (g, t) for g in (3, 8) for t in (0, 1)}
+    # The layers' ranks are of the raw score: unpooled, whatever the model's gate defaults pool over.
+    gates = {f"tokengate:gate_layer={g}:min_length=0:query_top={t}:pool=1": (g, t) for g in (3, 8) for t in (0, 1)}
     assert main([*common, "--methods", ",".join(gates), "--out", str(tmp_path / "g.json")]) == 0
     got = json.loads((tmp_path / "g.json").read_text())["records"]
     assert len(layers["records"]) == 2 and len(got) == 8

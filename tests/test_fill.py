@@ -404,7 +404,7 @@ def test_batched_decode_equals_one_by_one(tiny):
     tiny = replace(tiny, tokenizer=Bytes())
     ids = _ids(96)
     fill = resolve_prefill(tiny, "identity", split=1, sink=2, tail=8, outlier_factor=None)
-    gate = GateSettings(gate_layer=1, keep=0.5, block=8, local=8, tail=8, query_last=8, min_length=0)
+    gate = GateSettings(gate_layer=1, keep=0.5, block=8, local=8, tail=8, query_last=8, min_length=0, min_select=0)
     exact = Prefill("exact", "exact")
     runs = [exact, fill, exact, resolve_prefill(tiny, "tokengate", settings=gate)]
     batch = generate_batch(tiny, ids, runs, max_new_tokens=12)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -72,7 +74,8 @@ def test_top_blocks_takes_the_best_blocks_until_enough_rows():
 
 
 def _gate(**kw) -> GateSettings:
-    return GateSettings(**{"gate_layer": 1, "block": 8, "sink": 2, "local": 4, "tail": 4, "min_length": 0, **kw})
+    base = {"gate_layer": 1, "block": 8, "sink": 2, "local": 4, "tail": 4, "min_length": 0, "min_select": 0}
+    return GateSettings(**{**base, **kw})
 
 
 def test_keep_all_gate_equals_exact(tiny):
@@ -513,3 +516,62 @@ def test_two_stage_gate_narrows_at_the_refine_layer(tiny, sentence):
 def test_bad_refine_settings_are_refused(settings, match):
     with pytest.raises(RidgefillError, match=match):
         run_prefill(Engine(make_tiny("llama")), _ids(60), "tokengate", settings=_gate(**settings))
+
+
+def test_plain_tokengate_runs_the_models_measured_settings_under_the_callers_own(monkeypatch):
+    from ridgefill.methods import gate, tuned
+
+    lm = make_tiny("llama")  # 3 layers
+    measured = {"gate_layer": 1, "keep": 0.5, "refine_layer": 2, "refine_keep": 0.25, "sentence": 8}
+    monkeypatch.setattr(gate, "_model_table", lambda: {lm.name: {"min_length": 0, "settings": measured}})
+    s = resolve_prefill(lm, "tokengate").settings
+    assert (s.gate_layer, s.keep, s.refine_layer, s.refine_keep, s.sentence) == (1, 0.5, 2, 0.25, 8)
+    s = resolve_prefill(lm, "tokengate:keep=0.375:refine_layer=none", tail=4).settings
+    assert (s.keep, s.refine_layer, s.tail, s.sentence) == (0.375, None, 4, 8)
+    # A named setting that clashes with a measured one: the error names what was measured.
+    with pytest.raises(RidgefillError, match=r"refine_keep 0.25 must not exceed keep 0.125 .*measured gate_layer=1"):
+        resolve_prefill(lm, "tokengate:keep=0.125")
+    # A tuned bucket runs what was tuned, not the model's gate defaults.
+    bucket = {"method": "tokengate", "settings": {"keep": 0.25}}
+    monkeypatch.setattr(tuned, "shipped_defaults", lambda: {lm.name: bucket})
+    s = resolve_prefill(lm, "tuned").settings
+    assert (s.keep, s.refine_layer, s.sentence) == (0.25, None, 0)
+    # A model without measured settings runs the generic gate.
+    monkeypatch.setattr(gate, "_model_table", lambda: {})
+    assert resolve_prefill(lm, "tokengate").settings == GateSettings().at(lm.num_layers)
+
+
+def test_the_shipped_gate_settings_are_valid_for_their_models():
+    import re
+
+    from ridgefill.methods import gate
+    from ridgefill.methods.resolve import check_values
+    from ridgefill.models.registry import KNOWN_MODELS
+
+    layers = {m.name: int(re.search(r"(\d+) layers", m.description).group(1)) for m in KNOWN_MODELS.values()}
+    table = gate._model_table()
+    assert set(table) <= set(layers)
+    for name, entry in table.items():
+        assert entry["min_length"] >= 0 and entry["measured_by"]
+        if "settings" in entry:
+            check_values("tokengate", GateSettings, entry["settings"])
+            GateSettings(**entry["settings"]).check(layers[name])
+            assert entry["chosen_by"]["commands"]
+
+
+@pytest.mark.parametrize("sentence", [0, 8])
+def test_each_gate_selects_at_least_min_select_rows(tiny, sentence):
+    ids = _ids(120)
+    ids[0, ::7] = 30  # a sentence end every 7 tokens
+    eng = Engine(replace(tiny, tokenizer=_EveryTenthEndsASentence()))
+    # keep=0.05 is 6 rows: the sinks, local window and tail (10 rows) already fill it.
+    one = _gate(keep=0.05, sentence=sentence, window=2)
+    assert len(run_prefill(eng, ids, "tokengate", settings=one).plan.full) == 10
+    for floor in (16, 40):
+        res = run_prefill(eng, ids, "tokengate", settings=replace(one, min_select=floor))
+        assert floor + 10 <= len(res.plan.full) < floor + 10 + (17 if sentence else 8)  # whole spans or blocks
+    two = _gate(keep=0.5, refine_layer=2, refine_keep=0.05, sentence=sentence, window=2, min_select=24)
+    res = run_prefill(eng, ids, "tokengate", settings=two)
+    assert 34 <= len(res.plan.full) < 34 + (17 if sentence else 8) and len(res.plan.middle) >= 60
+    with pytest.raises(RidgefillError, match="min_select must be >= 0"):
+        _gate(min_select=-1).check(tiny.num_layers)

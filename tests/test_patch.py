@@ -158,7 +158,7 @@ def test_patched_dropping_methods_decode_as_our_own_generate(arch):
     tuned configurations use) decode through transformers' generate as through ours."""
     lm = make_tiny(arch)
     ids = _ids(96)
-    gate = dict(gate_layer=1, keep=0.5, block=8, local=8, tail=8, query_last=8, min_length=0)
+    gate = dict(gate_layer=1, keep=0.5, block=8, local=8, tail=8, query_last=8, min_length=0, min_select=0)
     for method, settings in (("tokengate", gate), ("identity", dict(SETTINGS, query_rows=8, drop=0.5, block=8))):
         want = _ours(lm, ids, method, settings=ridgefill.resolve_prefill(lm, method, **settings).settings)
         ridgefill.patch(lm.model, method=method, **settings)

@@ -209,7 +209,12 @@ def _parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("eval", help="RULER retrieval + tail perplexity", epilog=EXAMPLES["eval"], formatter_class=fmt)
     model_args(v)
-    v.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,vt")
+    v.add_argument(
+        "--tasks",
+        default="niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,vt",
+        help="comma-separated: RULER's niah_* and vt, or passkey (a plain pass-key question in the domain's text, "
+        "10 depths from 0%% to 100%%)",
+    )
     v.add_argument("--lengths", default="4096")
     v.add_argument("--samples", type=int, default=50, help="samples per task and length")
     v.add_argument(

@@ -199,8 +199,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from ridgefill.eval import report
     from ridgefill.eval.adapter import DECODE, EngineAdapter, spec_settings
     from ridgefill.eval.ppl import tail_ppl
-    from ridgefill.eval.ruler import TASKS, RulerTask
     from ridgefill.eval.runner import recovered_over_identity, run_eval, summarise
+    from ridgefill.eval.tasks import TASKS, make_task
     from ridgefill.methods import Prefill
     from ridgefill.models import cache_dir
     from ridgefill.results import write_json
@@ -213,8 +213,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     cache = args.cache or (
         args.out.with_suffix(".samples.jsonl") if args.out else cache_dir() / "eval" / "samples.jsonl"
     )
-    ruler_tasks = [RulerTask(t, tuple(essay)) for t in tasks]
-    records = run_eval(EngineAdapter(lm, specs), ruler_tasks, list(lengths), args.samples, cache, args.seed, tail)
+    eval_tasks = [make_task(t, essay) for t in tasks]
+    records = run_eval(EngineAdapter(lm, specs), eval_tasks, list(lengths), args.samples, cache, args.seed, tail)
     summary = summarise(records)
     # Every score names its text (the noise-haystack tasks niah_single_1 and vt read none of it).
     for key in ("results", "niah_pooled"):

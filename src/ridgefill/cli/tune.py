@@ -34,9 +34,10 @@ def _maps_for(lm, splits: list[int], args: argparse.Namespace) -> dict:
     return maps
 
 
-def gate_candidates(text: str) -> tuple:
-    """`--gates`: comma-separated tokengate configurations (`tokengate:keep=0.3:sentence=64`). A
-    value written `a|b` crosses: `tokengate:keep=0.375|0.5:refine_layer=11` is two candidates."""
+def gate_candidates(text: str, measured: dict | None = None) -> tuple:
+    """`--gates`: comma-separated tokengate configurations (`tokengate:keep=0.3:sentence=64`), each
+    over the model's `measured` gate settings as plain `tokengate` runs them. A value written `a|b`
+    crosses: `tokengate:keep=0.375|0.5:refine_layer=11` is two candidates."""
     from itertools import product
 
     from ridgefill.errors import RidgefillError
@@ -54,8 +55,9 @@ def gate_candidates(text: str) -> tuple:
         for picked in product(*choices):
             _, values = parse_method(":".join([name, *picked]))
             check_values(name, GateSettings, values)
-            if GateSettings(**values) not in out:
-                out.append(GateSettings(**values))
+            gate = GateSettings(**{**(measured or {}), **values})
+            if gate not in out:
+                out.append(gate)
     return tuple(out)
 
 
@@ -72,6 +74,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     from ridgefill.errors import RidgefillError
     from ridgefill.fit.maps import calib_info
+    from ridgefill.methods.resolve import measured_settings
     from ridgefill.methods.tuned import length_bounds
     from ridgefill.results import write_json
     from ridgefill.tune import report
@@ -93,7 +96,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         query_above=args.query_above,
         query_top=args.query_top,
         drop_top=args.drop_top,
-        gates=gate_candidates(args.gates),
+        gates=gate_candidates(args.gates, measured_settings(lm, "tokengate")),
     )
     base_cfg = TuneConfig(
         budget_niah=args.budget_niah,
@@ -275,6 +278,7 @@ def tune_args(p: argparse.ArgumentParser) -> None:
         default="",
         help="tokengate configurations measured beside the fills, comma-separated "
         "(tokengate:sentence=64:score_layer=14); a|b crosses values (tokengate:keep=0.375|0.5:refine_layer=11); "
+        "each over the gate settings measured for the model, as plain tokengate runs them; "
         "one that scores at a deeper layer reads ridge maps at its gate layer",
     )
     p.add_argument("--wave", type=int, default=12, help="NIAH-stage candidates at a time, fastest first")

@@ -22,10 +22,12 @@ layers below the gate and only the kept rows above it, so decode sees exactly wh
 last rows saw in prefill. Positions are untouched (RoPE uses true positions; a sliding-window
 layer's cache keeps the prompt's true length), so decoding continues at position N.
 
-Length gate: prompts shorter than `min_length` run exact, since gating short prompts costs more
-than it saves; the default comes from the per-model thresholds measured by `ridgefill bench`
-(data/length_gate.json). What it is not: a fill; `gated-ridge` (methods/fill.py with `drop`)
-composes the gate with RidgeFill.
+Per-model defaults (data/tokengate.json): where a model's gate settings were measured (the layers
+where it finds a needle, the share it keeps), plain `tokengate` runs them (`model_settings`; any
+setting the caller names wins); elsewhere the generic gate above. Length gate: prompts shorter
+than `min_length` run exact, since gating short prompts costs more than it saves; the default is
+the per-model threshold measured by `ridgefill bench` (same file). What it is not: a fill;
+`gated-ridge` (methods/fill.py with `drop`) composes the gate with RidgeFill.
 """
 
 from __future__ import annotations
@@ -90,6 +92,10 @@ class GateSettings:
             same `query_last`, `query_top`, `pool` and span rule) and narrowed to `refine_keep`.
         refine_keep: fraction in (0, `keep`] of the prompt's rows that continue past
             `refine_layer`, always-kept rows included.
+        min_select: each gate keeps at least this many rows beyond the always-kept ones (where it
+            has that many to choose from), whatever `keep` or `refine_keep` allow: on a short
+            prompt the sinks, local window and tail alone may fill the share, which would leave
+            the question nothing to choose.
     """
 
     MAPS_AT: ClassVar[str] = "gate_layer"  # the settings field the maps' split must match
@@ -110,6 +116,7 @@ class GateSettings:
     query_top: int = 0
     refine_layer: int | None = None
     refine_keep: float = 0.125
+    min_select: int = 256
 
     @property
     def dense_below(self) -> int | None:
@@ -141,6 +148,8 @@ class GateSettings:
         check_fraction("sparse_keep", self.sparse_keep)
         if self.block < 1 or self.sink < 0 or self.local < 0 or self.tail < 1 or self.query_last < 1:
             raise RidgefillError("block, tail and query_last must be >= 1; sink and local >= 0")
+        if self.min_select < 0:
+            raise RidgefillError(f"min_select must be >= 0, got {self.min_select}")
         if self.sentence < 0 or self.window < 1:
             raise RidgefillError("sentence must be >= 0 and window >= 1")
         if self.score_layer is not None and not g < self.score_layer < num_layers:
@@ -161,13 +170,18 @@ class GateSettings:
 
 
 @functools.cache
-def _length_gate_table() -> dict:
-    return json.loads(resources.files("ridgefill").joinpath("data/length_gate.json").read_text())["models"]
+def _model_table() -> dict:
+    return json.loads(resources.files("ridgefill").joinpath("data/tokengate.json").read_text())["models"]
 
 
 def length_threshold(model_name: str) -> int:
     """The measured length below which gating loses to exact for this model (0 when unmeasured)."""
-    return int(_length_gate_table().get(model_name, {}).get("min_length", 0))
+    return int(_model_table().get(model_name, {}).get("min_length", 0))
+
+
+def model_settings(model_name: str) -> dict:
+    """The gate settings measured for this model, which plain `tokengate` runs ({} when unmeasured)."""
+    return dict(_model_table().get(model_name, {}).get("settings", {}))
 
 
 def always_kept(n: int, sink: int, local: int, tail: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -263,8 +277,9 @@ def _select(
     ends: torch.Tensor | None,
 ) -> torch.Tensor:
     """Sorted positions of the rows that continue: `always` and, by `scores` (N,), the best
-    `candidates` up to `keep` of the prompt in all (sentence spans with `ends`, else blocks)."""
-    budget = max(0, int(keep * scores.shape[0]) - int(always.sum()))
+    `candidates` up to `keep` of the prompt in all, and at least `s.min_select` of them (sentence
+    spans with `ends`, else blocks)."""
+    budget = max(s.min_select, int(keep * scores.shape[0]) - int(always.sum()))
     if ends is not None:
         chosen = pick_spans(scores, candidates, budget, s.window, ends, s.sentence)
     else:

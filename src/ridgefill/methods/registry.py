@@ -15,7 +15,7 @@ import torch
 from ridgefill.engine import Engine, PrefillResult
 from ridgefill.errors import RidgefillError
 from ridgefill.methods.fill import FILL_METHODS, FillSettings, prefill_fill
-from ridgefill.methods.gate import GateSettings, prefill_tokengate
+from ridgefill.methods.gate import GateSettings, model_settings, prefill_tokengate
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,8 @@ class MethodInfo:
         run: (engine, input_ids, settings, maps, *, logit_rows, lower, cache) -> PrefillResult.
         settings: its settings class (None: it takes no settings).
         defaults: settings values that make it this method (gated-ridge is ridge with these).
+        per_model: model name -> the settings measured for that model, which the method runs
+            under the caller's own when named alone (tokengate: data/tokengate.json).
         maps: the kind of fitted maps it always reads (None: none, or only as its settings say:
             `reads_maps` on the settings class).
         about: one line for `--help` and errors.
@@ -36,6 +38,7 @@ class MethodInfo:
     defaults: dict[str, Any] = field(default_factory=dict)
     maps: str | None = None
     about: str = ""
+    per_model: Callable[[str], dict[str, Any]] | None = None
 
 
 def _exact(engine: Engine, input_ids: torch.Tensor, settings: None, maps: None, **rows: Any) -> PrefillResult:
@@ -68,7 +71,9 @@ METHODS: dict[str, MethodInfo] = {
         m: MethodInfo(_fill(m, m), FillSettings, maps=None if m == "identity" else m, about=_ABOUT[m])
         for m in FILL_METHODS
     },
-    "tokengate": MethodInfo(_gate, GateSettings, about="rows the gate drops stop at the gate layer"),
+    "tokengate": MethodInfo(
+        _gate, GateSettings, about="rows the gate drops stop at the gate layer", per_model=model_settings
+    ),
     "gated-ridge": MethodInfo(
         _fill("ridge", "gated-ridge"),
         FillSettings,

@@ -284,7 +284,8 @@ def resolve_prefill(
         log.warning("tuned keeps its tuned settings; not applying %s (name them as tuned:key=value)", given)
     values = {**applicable(name, given), **_as_values(settings), **overrides, **from_name}
     if name != TUNED:
-        return _resolve(lm, label, name, values, values, maps, fit_missing, corpus)
+        measured = measured_settings(lm, name)
+        return _resolve(lm, label, name, {**measured, **values}, values, maps, fit_missing, corpus, measured)
     cfg = tuned_config(lm, maps)
     known = {k: t for b in cfg.buckets for k, t in _field_types(get_method(b.method).settings or FillSettings).items()}
     unknown = sorted(set(values) - set(known))
@@ -307,6 +308,12 @@ def resolve_prefill(
     return first if len(chosen) == 1 else replace(first, by_length=tuple(chosen))
 
 
+def measured_settings(lm: LoadedModel, name: str) -> dict[str, Any]:
+    """The settings measured for `lm` that method `name` runs under the caller's own ({}: none)."""
+    per_model = get_method(name).per_model
+    return per_model(lm.name) if per_model is not None else {}
+
+
 def _resolve(
     lm: LoadedModel,
     label: str,
@@ -316,14 +323,25 @@ def _resolve(
     maps: FillMaps | Path | str | None,
     fit_missing: bool,
     corpus: str | None,
+    measured: dict[str, Any] | None = None,
 ) -> Prefill:
-    """One method with its settings `values` (`asked`: those the caller named) and maps."""
+    """One method with its settings `values` (`asked`: those the caller named; `measured`: those
+    of `values` that come from the model's measured defaults) and maps."""
     info = get_method(name)
     check_values(name, info.settings, values)
     if info.settings is None:
         return Prefill(label, name)
     resolved = info.settings(**{**info.defaults, **values})
-    resolved.check(lm.num_layers)
+    try:
+        resolved.check(lm.num_layers)
+    except RidgefillError as e:
+        if not measured:
+            raise
+        spelled = ":".join(f"{k}={v}" for k, v in measured.items())
+        raise RidgefillError(
+            f"{e} ({name} on {lm.name} runs its measured {spelled} unless named otherwise; "
+            "name a setting to change it, `none` to clear an optional one)"
+        ) from None
     resolved = resolved.at(lm.num_layers)
     kind = reads_maps(info, resolved)
     if kind is None:
@@ -378,6 +396,7 @@ __all__ = [
     "default_method",
     "fit_first_use",
     "has_tuned",
+    "measured_settings",
     "parse_method",
     "resolve_prefill",
     "run_prefill",
