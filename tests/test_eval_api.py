@@ -275,8 +275,7 @@ def test_needles_ranks_per_layer_as_the_gate_at_that_layer_does(tmp_path, capsys
     assert main([*common, "--layers", "3,7-8", "--out", str(tmp_path / "l.json")]) == 0
     assert "| 7 | top query | 2 |" in capsys.readouterr().out
     layers = json.loads((tmp_path / "l.json").read_text())
-    # The layers' ranks are of the raw score: unpooled, whatever the model's gate defaults pool over.
-    gates = {f"tokengate:gate_layer={g}:min_length=0:query_top={t}:pool=1": (g, t) for g in (3, 8) for t in (0, 1)}
+    gates = {f"tokengate:gate_layer={g}:min_length=0:query_top={t}": (g, t) for g in (3, 8) for t in (0, 1)}
     assert main([*common, "--methods", ",".join(gates), "--out", str(tmp_path / "g.json")]) == 0
     got = json.loads((tmp_path / "g.json").read_text())["records"]
     assert len(layers["records"]) == 2 and len(got) == 8

@@ -518,7 +518,7 @@ def test_bad_refine_settings_are_refused(settings, match):
         run_prefill(Engine(make_tiny("llama")), _ids(60), "tokengate", settings=_gate(**settings))
 
 
-def test_plain_tokengate_runs_the_models_measured_settings_under_the_callers_own(monkeypatch):
+def test_plain_tokengate_runs_the_models_measured_settings(monkeypatch):
     from ridgefill.methods import gate, tuned
 
     lm = make_tiny("llama")  # 3 layers
@@ -526,11 +526,15 @@ def test_plain_tokengate_runs_the_models_measured_settings_under_the_callers_own
     monkeypatch.setattr(gate, "_model_table", lambda: {lm.name: {"min_length": 0, "settings": measured}})
     s = resolve_prefill(lm, "tokengate").settings
     assert (s.gate_layer, s.keep, s.refine_layer, s.refine_keep, s.sentence) == (1, 0.5, 2, 0.25, 8)
-    s = resolve_prefill(lm, "tokengate:keep=0.375:refine_layer=none", tail=4).settings
-    assert (s.keep, s.refine_layer, s.tail, s.sentence) == (0.375, None, 4, 8)
-    # A named setting that clashes with a measured one: the error names what was measured.
-    with pytest.raises(RidgefillError, match=r"refine_keep 0.25 must not exceed keep 0.125 .*measured gate_layer=1"):
-        resolve_prefill(lm, "tokengate:keep=0.125")
+    # A command's shared options apply over them; named settings start from the generic gate.
+    s = resolve_prefill(lm, "tokengate", shared={"tail": 4}).settings
+    assert (s.keep, s.refine_layer, s.tail, s.sentence) == (0.5, 2, 4, 8)
+    for named in ({"method": "tokengate:keep=0.375"}, {"method": "tokengate", "keep": 0.375}):
+        s = resolve_prefill(lm, **named).settings
+        assert s == GateSettings(keep=0.375).at(lm.num_layers)
+    # A shared option that clashes with a measured setting: the error names what was measured.
+    with pytest.raises(RidgefillError, match=r"refine_layer 2 must be above the gate layer 2 .*measured gate_layer=1"):
+        resolve_prefill(lm, "tokengate", shared={"gate_layer": 2})
     # A tuned bucket runs what was tuned, not the model's gate defaults.
     bucket = {"method": "tokengate", "settings": {"keep": 0.25}}
     monkeypatch.setattr(tuned, "shipped_defaults", lambda: {lm.name: bucket})

@@ -83,8 +83,8 @@ def test_tune_cli_takes_token_gates_and_refuses_other_methods():
         (0.5, 11, 0.25),
         (0.5, None, 0.125),
     ]
-    over = gate_candidates("tokengate, tokengate:keep=0.375:pool=1", {"sentence": 64, "pool": 7})
-    assert over == (GateSettings(sentence=64, pool=7), GateSettings(sentence=64, keep=0.375))  # a model's own
+    own = gate_candidates("tokengate, tokengate:keep=0.375", {"sentence": 64, "pool": 7})
+    assert own == (GateSettings(sentence=64, pool=7), GateSettings(keep=0.375))  # plain: the model's own
     with pytest.raises(RidgefillError, match="bad method option"):
         gate_candidates("tokengate:keep")
     with pytest.raises(RidgefillError, match="takes tokengate configurations"):

@@ -12,7 +12,7 @@ from ridgefill.methods import METHODS, FillSettings, GateSettings, Prefill, reso
 from ridgefill.models import DEFAULT_MODEL, KNOWN_MODELS, LoadedModel, load_model
 from ridgefill.patch import patch, patch_state, unpatch
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "DEFAULT_MODEL",

@@ -35,9 +35,9 @@ def _maps_for(lm, splits: list[int], args: argparse.Namespace) -> dict:
 
 
 def gate_candidates(text: str, measured: dict | None = None) -> tuple:
-    """`--gates`: comma-separated tokengate configurations (`tokengate:keep=0.3:sentence=64`), each
-    over the model's `measured` gate settings as plain `tokengate` runs them. A value written `a|b`
-    crosses: `tokengate:keep=0.375|0.5:refine_layer=11` is two candidates."""
+    """`--gates`: comma-separated tokengate configurations (`tokengate:keep=0.3:sentence=64`); plain
+    `tokengate` is the model's `measured` gate, as everywhere. A value written `a|b` crosses:
+    `tokengate:keep=0.375|0.5:refine_layer=11` is two candidates."""
     from itertools import product
 
     from ridgefill.errors import RidgefillError
@@ -55,7 +55,7 @@ def gate_candidates(text: str, measured: dict | None = None) -> tuple:
         for picked in product(*choices):
             _, values = parse_method(":".join([name, *picked]))
             check_values(name, GateSettings, values)
-            gate = GateSettings(**{**(measured or {}), **values})
+            gate = GateSettings(**(values or measured or {}))
             if gate not in out:
                 out.append(gate)
     return tuple(out)
@@ -278,7 +278,7 @@ def tune_args(p: argparse.ArgumentParser) -> None:
         default="",
         help="tokengate configurations measured beside the fills, comma-separated "
         "(tokengate:sentence=64:score_layer=14); a|b crosses values (tokengate:keep=0.375|0.5:refine_layer=11); "
-        "each over the gate settings measured for the model, as plain tokengate runs them; "
+        "plain tokengate is the gate measured for the model; "
         "one that scores at a deeper layer reads ridge maps at its gate layer",
     )
     p.add_argument("--wave", type=int, default=12, help="NIAH-stage candidates at a time, fastest first")

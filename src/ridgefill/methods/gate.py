@@ -23,8 +23,8 @@ last rows saw in prefill. Positions are untouched (RoPE uses true positions; a s
 layer's cache keeps the prompt's true length), so decoding continues at position N.
 
 Per-model defaults (data/tokengate.json): where a model's gate settings were measured (the layers
-where it finds a needle, the share it keeps), plain `tokengate` runs them (`model_settings`; any
-setting the caller names wins); elsewhere the generic gate above. Length gate: prompts shorter
+where it finds a needle, the share it keeps), `tokengate` named with no settings runs them
+(`model_settings`); named settings start from the generic gate above. Length gate: prompts shorter
 than `min_length` run exact, since gating short prompts costs more than it saves; the default is
 the per-model threshold measured by `ridgefill bench` (same file). What it is not: a fill;
 `gated-ridge` (methods/fill.py with `drop`) composes the gate with RidgeFill.

@@ -27,7 +27,7 @@ class MethodInfo:
         settings: its settings class (None: it takes no settings).
         defaults: settings values that make it this method (gated-ridge is ridge with these).
         per_model: model name -> the settings measured for that model, which the method runs
-            under the caller's own when named alone (tokengate: data/tokengate.json).
+            when named with no settings of its own (tokengate: data/tokengate.json).
         maps: the kind of fitted maps it always reads (None: none, or only as its settings say:
             `reads_maps` on the settings class).
         about: one line for `--help` and errors.

@@ -259,7 +259,9 @@ def resolve_prefill(
             are a tuned bundle), the given maps' own method, else exact.
         settings: a settings object (the fields that differ from its defaults) or dict;
             `overrides` (keyword settings such as `split=12`) and the name's own `key=value`
-            settings win over it, in that order.
+            settings win over it, in that order. A method named with none of these runs the
+            settings measured for the model where there are any (tokengate: data/tokengate.json);
+            named settings start from the method's defaults instead.
         shared: settings meant for several methods at once (a command's `--tail`): applied under
             all the others where this method has them; `tuned` keeps its own (logged).
         maps: fitted maps, a map file (its split wins), a tuned bundle, or a folder (default: the
@@ -282,9 +284,12 @@ def resolve_prefill(
     given = {k: v for k, v in (shared or {}).items() if v is not None}
     if name == TUNED and given:
         log.warning("tuned keeps its tuned settings; not applying %s (name them as tuned:key=value)", given)
-    values = {**applicable(name, given), **_as_values(settings), **overrides, **from_name}
+    named = {**_as_values(settings), **overrides, **from_name}
+    values = {**applicable(name, given), **named}
     if name != TUNED:
-        measured = measured_settings(lm, name)
+        # The model's measured settings serve the method named alone; named settings start from
+        # the method's own defaults, so that a spelled-out configuration means the same everywhere.
+        measured = {} if named else measured_settings(lm, name)
         return _resolve(lm, label, name, {**measured, **values}, values, maps, fit_missing, corpus, measured)
     cfg = tuned_config(lm, maps)
     known = {k: t for b in cfg.buckets for k, t in _field_types(get_method(b.method).settings or FillSettings).items()}
@@ -339,8 +344,7 @@ def _resolve(
             raise
         spelled = ":".join(f"{k}={v}" for k, v in measured.items())
         raise RidgefillError(
-            f"{e} ({name} on {lm.name} runs its measured {spelled} unless named otherwise; "
-            "name a setting to change it, `none` to clear an optional one)"
+            f"{e} (plain {name} on {lm.name} runs its measured {spelled}, here under the command's own options)"
         ) from None
     resolved = resolved.at(lm.num_layers)
     kind = reads_maps(info, resolved)
