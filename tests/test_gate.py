@@ -532,6 +532,7 @@ def test_plain_tokengate_runs_the_models_measured_settings(monkeypatch):
     for named in ({"method": "tokengate:keep=0.375"}, {"method": "tokengate", "keep": 0.375}):
         s = resolve_prefill(lm, **named).settings
         assert s == GateSettings(keep=0.375).at(lm.num_layers)
+    assert resolve_prefill(lm, "tokengate", settings=GateSettings()).settings == GateSettings().at(lm.num_layers)
     # A shared option that clashes with a measured setting: the error names what was measured.
     with pytest.raises(RidgefillError, match=r"refine_layer 2 must be above the gate layer 2 .*measured gate_layer=1"):
         resolve_prefill(lm, "tokengate", shared={"gate_layer": 2})

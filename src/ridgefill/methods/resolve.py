@@ -259,7 +259,7 @@ def resolve_prefill(
             are a tuned bundle), the given maps' own method, else exact.
         settings: a settings object (the fields that differ from its defaults) or dict;
             `overrides` (keyword settings such as `split=12`) and the name's own `key=value`
-            settings win over it, in that order. A method named with none of these runs the
+            settings win over it, in that order. A method given none of these runs the
             settings measured for the model where there are any (tokengate: data/tokengate.json);
             named settings start from the method's defaults instead.
         shared: settings meant for several methods at once (a command's `--tail`): applied under
@@ -289,7 +289,7 @@ def resolve_prefill(
     if name != TUNED:
         # The model's measured settings serve the method named alone; named settings start from
         # the method's own defaults, so that a spelled-out configuration means the same everywhere.
-        measured = {} if named else measured_settings(lm, name)
+        measured = {} if named or settings is not None else measured_settings(lm, name)
         return _resolve(lm, label, name, {**measured, **values}, values, maps, fit_missing, corpus, measured)
     cfg = tuned_config(lm, maps)
     known = {k: t for b in cfg.buckets for k, t in _field_types(get_method(b.method).settings or FillSettings).items()}
