@@ -6,8 +6,8 @@ the domain's evaluation text as the haystack, so that a score does not hinge on 
 question asks for "the number": without that, SmolLM2-135M describes a door key.) Sample `i`
 hides a 5-digit key at depth (i mod 10) / 9 of the haystack's sentences (10 samples: 0%, 11%, ...,
 100%); the haystack size is found by binary search with the model's own tokenizer, as for RULER's
-tasks; a reply is right when it holds the key. What it is not: a RULER task (ruler.py), nor pooled
-with them in the NIAH score.
+tasks; a reply is right when it holds the key (RULER's `string_match_all`). What it is not: a
+RULER task (ruler.py), nor pooled with them in the NIAH score.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 from ridgefill.errors import RidgefillError
 from ridgefill.eval.api import Sample
-from ridgefill.eval.ruler import fit_size
+from ridgefill.eval.ruler import fit_size, string_match_all
 
 NAME = "passkey"
 DEPTHS = 10
@@ -69,4 +69,4 @@ class PasskeyTask:
         return out
 
     def score(self, prediction: str, sample: Sample) -> float:
-        return 100.0 * all(a in prediction for a in sample.answers)
+        return 100.0 * string_match_all(prediction, sample.answers)
