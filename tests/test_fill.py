@@ -344,10 +344,35 @@ def test_query_layer_scores_on_the_maps_prediction_of_a_deeper_layer(fitted):
     assert res.plan.full.tolist() == picked.nonzero().squeeze(1).tolist() and res.plan.score_layer == 2
     with pytest.raises(RidgefillError, match="'identity' makes none"):
         run_prefill(eng, ids, "identity", settings=s)
-    with pytest.raises(RidgefillError, match="query_layer 1 must be above the split 1"):
+    with pytest.raises(RidgefillError, match="query_layer 1 must be another layer than the split 1"):
         replace(s, query_layer=1).check(3)
     with pytest.raises(RidgefillError, match="query_top must be >= 0"):
         replace(s, query_top=-1).check(3)
+
+
+def test_query_layer_below_the_split_scores_on_its_exact_input(fitted):
+    """query_layer below the split: the spans are chosen on that layer's attention over its exact
+    input, taken as the lower layers run, for every fill method; a pass shared with exact stops
+    there, and continuing from it changes nothing."""
+    from ridgefill.methods.select import pick_spans, row_scores
+
+    lm, maps, _ = fitted
+    eng, ids = Engine(lm), _ids(96)
+    s = replace(QUERY, query_layer=0, query_pool=3)
+    with torch.inference_mode():
+        st = eng.run_lower(ids, 0)
+        want = row_scores(eng, 0, st.h, st.tables, 8, pool=3)
+    picked = pick_spans(want, QUERY_CANDIDATES, 8, 8) | ~QUERY_CANDIDATES
+    for method, m in (("identity", None), ("ridge", maps["ridge"]), ("kva", maps["kva"])):
+        res = run_prefill(eng, ids, method, maps=m, settings=s)
+        torch.testing.assert_close(res.diagnostics["row_scores"], want)
+        assert res.plan.full.tolist() == picked.nonzero().squeeze(1).tolist() and res.plan.score_layer is None
+    assert s.scores_below and not s.scores_above and s.dense_below == 0 and QUERY.dense_below == 1
+    alone = run_prefill(eng, ids, "ridge", maps=maps["ridge"], settings=s)
+    shared = run_prefill(eng, ids, "ridge", maps=maps["ridge"], settings=s, lower=eng.run_lower(ids, 0))
+    torch.testing.assert_close(shared.logits, alone.logits, rtol=0, atol=0)
+    with pytest.raises(RidgefillError, match="sparse_keep must be 1"):
+        replace(s, sparse_keep=0.5).check(3)
 
 
 def test_drop_top_reduces_the_queries_for_the_dropped_blocks_alone(fitted):

@@ -115,13 +115,14 @@ def test_fill_matches_our_engine_across_chunks_and_a_shared_batch(prompts, ridge
 
 @pytest.mark.parametrize(
     "scoring",
-    [{"query_sentence": 16}, {"query_layer": 17, "query_top": 2}],
-    ids=["split-layer-sentences", "predicted-layer-top-queries"],
+    [{"query_sentence": 16}, {"query_layer": 17, "query_top": 2}, {"query_layer": 7, "query_pool": 5}],
+    ids=["split-layer-sentences", "predicted-layer-top-queries", "lower-layer-pooled"],
 )
 def test_query_rows_match_our_engine_for_prompts_scheduled_whole(prompts, ridge_maps, smollm2, scoring):
     """Both prompts in one scheduler step: each one's query-aware spans are chosen from its own
-    scores, as our engine chooses them: at the split layer with sentences, or at a deeper layer on
-    the maps' prediction from the queries that attend most."""
+    scores, as our engine chooses them: at the split layer with sentences, at a deeper layer on
+    the maps' prediction from the queries that attend most, or pooled at a layer below the split
+    on its exact input."""
     from ridgefill.fit.maps import load_maps
     from ridgefill.generation import generate
 
@@ -284,10 +285,13 @@ def test_maps_of_another_model_corrupt_maps_and_bad_settings_are_refused(ridge_m
         (dict(method="ridge", split=29), "no ridge maps for split 29 of smollm2-135m at float32"),
         (dict(method="identity", tail=0), "tail >= 1"),
         (dict(method="sparse"), "not one of"),
-        (dict(method="identity", split=10, query_rows=64, query_layer=12), "query_layer scores on the ridge maps"),
+        (
+            dict(method="identity", split=10, query_rows=64, query_layer=12),
+            "query_layer 12 above the split scores on the ridge maps",
+        ),
         (
             dict(method="ridge", maps=ridge_maps, query_rows=64, query_layer=15),
-            "query_layer 15 must be above the split",
+            "query_layer 15 must be another layer than the split 15",
         ),
     ]:
         with pytest.raises(RidgefillError) as e:

@@ -59,6 +59,9 @@ class FillSettings:
             that layer's attention, on its input as the ridge maps predict it from the split state
             (tokengate's `score_layer`; ridge only). A layer or two above the split ranks the
             needle the question names above its look-alikes more often than the split layer.
+            A layer below the split scores on its own exact input, taken as the lower layers run
+            (any fill method; dense lower layers only): on SmolLM2 an early layer's pooled score
+            finds needles in prose that the split layer's misses.
         query_top: per head, a row's score is the mean attention of the `query_top` queries that
             attend to it most (0: of all `query_last` queries; 1: the largest). A needle that only
             the question's key tokens find (one of several look-alike key-value lines) keeps a
@@ -101,8 +104,23 @@ class FillSettings:
 
     @property
     def dense_below(self) -> int:
-        """Layers every row runs densely, as exact does (0 with sparse attention below the split)."""
-        return self.split if self.sparse_keep >= 1 else 0
+        """Layers every row runs densely, as exact does, before this fill reads a state of its own
+        (0 with sparse attention below the split; the query layer when it scores below the split)."""
+        if self.sparse_keep < 1:
+            return 0
+        return self.query_layer if self.scores_below else self.split
+
+    @property
+    def scores_below(self) -> bool:
+        """Whether the query rows are scored at a layer below the split, on its exact input."""
+        q, split = self.query_layer, self.split
+        return bool(self.query_rows or self.drop) and q is not None and split is not None and q < split
+
+    @property
+    def scores_above(self) -> bool:
+        """Whether the query rows are scored at a layer above the split, on the maps' prediction."""
+        q, split = self.query_layer, self.split
+        return bool(self.query_rows or self.drop) and q is not None and split is not None and q > split
 
     @property
     def reads_sentences(self) -> bool:
@@ -125,9 +143,14 @@ class FillSettings:
             if (getattr(self, name) or 0) < 0:
                 raise RidgefillError(f"{name} must be >= 0 (0: the mean over every query), got {getattr(self, name)}")
         split = default_split(num_layers) if self.split is None else self.split
-        if self.query_layer is not None and not split < self.query_layer < num_layers:
+        if self.query_layer is not None and not (0 <= self.query_layer < num_layers and self.query_layer != split):
             raise RidgefillError(
-                f"query_layer {self.query_layer} must be above the split {split} and below {num_layers}"
+                f"query_layer {self.query_layer} must be another layer than the split {split}, in 0..{num_layers - 1}"
+                " (omit it to score at the split)"
+            )
+        if self.query_layer is not None and self.query_layer < split and self.sparse_keep < 1:
+            raise RidgefillError(
+                f"query_layer {self.query_layer} below the split reads dense lower layers; sparse_keep must be 1"
             )
         if not 0 <= self.drop < 1 or self.block < 1:
             raise RidgefillError(f"drop must be in [0, 1) and block >= 1, got drop {self.drop}, block {self.block}")
@@ -225,8 +248,10 @@ def prefill_fill(
             raise RidgefillError(f"these maps are for {maps.method!r}, not {method!r}")
         maps.check_model(engine.lm)
         s = replace(s, split=maps.split)
-    if s.query_layer is not None and method != "ridge":
-        raise RidgefillError(f"query_layer scores on the ridge maps' prediction; {method!r} makes none")
+    if s.scores_above and method != "ridge":
+        raise RidgefillError(
+            f"query_layer {s.query_layer} above the split scores on the ridge maps' prediction; {method!r} makes none"
+        )
     if method == "kva" and s.resume is not None:
         raise RidgefillError("kva predicts K/V, not layer inputs, so it cannot resume full layers (resume)")
     parts = engine.parts
@@ -235,6 +260,10 @@ def prefill_fill(
     if s.split >= parts.num_layers - 1 or n <= s.sink + s.tail:
         res = engine.prefill_exact(input_ids, logit_rows, lower, cache)
         return res.as_exact(method, asdict(s), "nothing to fill (short prompt or split at the top)")
+    score_in = None  # the query layer's exact input, when it scores below the split
+    if s.scores_below:
+        lower = engine.run_lower(input_ids, s.query_layer, start=lower)
+        score_in = lower.h
     st, pairs = run_lower(engine, input_ids, s.split, s.sparse_keep, s.block, lower)
     t0, a0 = engine.clock(), engine.attn_seconds
     h, tables = st.h, st.tables
@@ -247,12 +276,12 @@ def prefill_fill(
         drop_top = s.query_top if s.drop_top is None else s.drop_top
         scores, drop_scores = row_score_sets(
             engine,
-            s.split,
-            h,
+            s.split if score_in is None else s.query_layer,
+            h if score_in is None else score_in,
             tables,
             s.query_last,
             maps=maps,
-            score_layer=s.query_layer,
+            score_layer=s.query_layer if s.scores_above else None,
             pool=s.query_pool,
             tops=(s.query_top, drop_top),
         )
@@ -289,7 +318,7 @@ def prefill_fill(
         deep_keys=kept,
         lower_pairs=pairs,
         resume=s.resume,
-        score_layer=s.query_layer if s.query_rows or s.drop else None,
+        score_layer=s.query_layer if s.scores_above else None,
     )
     return PrefillResult(
         cache,

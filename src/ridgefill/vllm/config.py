@@ -133,14 +133,14 @@ class VllmFill:
             raise RidgefillError(f"{PREFIX}method {method} needs {PREFIX}maps: a map file from `ridgefill fit`")
         if method in ("identity", "off") and maps_path:
             raise RidgefillError(f"{PREFIX}maps is given but {PREFIX}method {method} reads no maps")
-        if settings.query_layer is not None and method != "ridge":
-            raise RidgefillError(f"{PREFIX}query_layer scores on the ridge maps' prediction; {method} makes none")
         num_layers = int(config.num_hidden_layers)
         by_length = _by_length(found.get("by_length"), settings, method)
         # With maps and no split given, the maps' split decides: `load_maps` checks query_layer at it.
         deferred = reads_maps and settings.split is None
         for s in (settings, *(b for _, b in by_length)):
             (replace(s, query_layer=None) if deferred else s).check(num_layers)
+        if not deferred:
+            _check_scoring(method, settings.at(num_layers))
         return cls(method, settings.at(num_layers), maps_path, tuple((u, b.at(num_layers)) for u, b in by_length))
 
     def load_maps(self, config) -> FillMaps | None:
@@ -154,8 +154,10 @@ class VllmFill:
             raise MapError(
                 f"{self.maps_path}: the maps are for split {maps.split}, not {PREFIX}split {self.settings.split}"
             )
-        try:  # the maps' split wins: the settings must hold at it (a query_layer above it)
-            replace(self.settings, split=maps.split).check(int(config.num_hidden_layers))
+        try:  # the maps' split wins: the settings must hold at it (a query_layer other than it)
+            at_maps = replace(self.settings, split=maps.split)
+            at_maps.check(int(config.num_hidden_layers))
+            _check_scoring(self.method, at_maps)
         except RidgefillError as e:
             raise MapError(f"{self.maps_path}: the maps are for split {maps.split}: {e}") from None
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -169,6 +171,15 @@ class VllmFill:
     def with_split(self, split: int) -> VllmFill:
         by_length = tuple((u, replace(s, split=split)) for u, s in self.by_length)
         return replace(self, settings=replace(self.settings, split=split), by_length=by_length)
+
+
+def _check_scoring(method: str, settings: FillSettings) -> None:
+    """Refuse a query layer above the split for a method whose maps predict no layer input."""
+    if settings.scores_above and method != "ridge":
+        raise RidgefillError(
+            f"{PREFIX}query_layer {settings.query_layer} above the split scores on the ridge maps' "
+            f"prediction; {method} makes none (a layer below the split {settings.split} scores on its exact input)"
+        )
 
 
 def _by_length(entries: object, settings: FillSettings, method: str) -> tuple[tuple[int | None, FillSettings], ...]:

@@ -67,7 +67,9 @@ class RidgeFillMixin:
             split = self.ridgefill.settings.split
             self._ridgefill_kv = {i: step.projection_rows(layers[i], "kv") for i in range(split, len(layers))}
             if self.ridgefill.query_rows:
-                self._ridgefill_q = step.projection_rows(layers[self._ridgefill_score_layer], "q")
+                at = self._ridgefill_score_layer
+                self._ridgefill_q = step.projection_rows(layers[at], "q")
+                self._ridgefill_score_kv = self._ridgefill_kv.get(at) or step.projection_rows(layers[at], "kv")
             if self.ridgefill.reads_sentences:
                 self._sentence_table()  # decoding the vocabulary once takes seconds: not in a request
         return loaded
@@ -122,10 +124,14 @@ class RidgeFillMixin:
         layers = model.layers
         hidden = inputs_embeds if inputs_embeds is not None else model.embed_input_ids(input_ids)
         residual = None
-        for layer in layers[: s.split]:
+        at = self._ridgefill_score_layer if self.ridgefill.query_rows else None
+        below = None  # the score layer's input, when it lies below the split
+        for i, layer in enumerate(layers[: s.split]):
+            if i == at:
+                below = hidden if residual is None else hidden + residual
             hidden, residual = layer(positions, hidden, residual)
         stream = hidden if residual is None else hidden + residual  # (T, d): the split state
-        rows = self._split_rows(plan, input_ids, positions, stream)
+        rows = self._split_rows(plan, input_ids, positions, stream, below)
         fc = get_forward_context()
         deep = [layer.self_attn.attn.layer_name for layer in layers[s.split :]]
         if rows.bulk.numel():
@@ -161,16 +167,20 @@ class RidgeFillMixin:
             out[rows.full] = h
         return out
 
-    def _split_rows(self, plan: step.Step, input_ids, positions, stream) -> step.Rows:
+    def _split_rows(self, plan: step.Step, input_ids, positions, stream, below=None) -> step.Rows:
+        """The step's full and bulk rows; `below`: the score layer's input when it is below the split."""
         fill = self.ridgefill
         s = fill.settings  # split, query layer and top: one for every length bucket
         if not fill.query_rows:
             return step.split_rows(plan, fill.settings_for, stream)
         at = self._ridgefill_score_layer
-        layer, kv = self.model.layers[at], self._ridgefill_kv[at]
+        layer, kv = self.model.layers[at], self._ridgefill_score_kv
 
         def scores(a: int, b: int) -> torch.Tensor:  # a whole prompt: b - a is its length
-            h = stream[a:b] if at == s.split else self.ridgefill_maps.predict(stream[a:b], at)
+            if at < s.split:
+                h = below[a:b]
+            else:
+                h = stream[a:b] if at == s.split else self.ridgefill_maps.predict(stream[a:b], at)
             last = fill.settings_for(b - a).query_last
             return step.token_scores(layer, self._ridgefill_q, kv, h, positions[a:b], last, s.query_top)
 
@@ -193,8 +203,8 @@ class RidgeFillMixin:
 
     @property
     def _ridgefill_score_layer(self) -> int:
-        """The layer whose attention scores the query rows: the split's, or `query_layer` on the
-        maps' prediction of its input."""
+        """The layer whose attention scores the query rows: the split's, or `query_layer` (below
+        the split on its exact input, above it on the maps' prediction of its input)."""
         s = self.ridgefill.settings
         return s.split if s.query_layer is None else s.query_layer
 

@@ -230,8 +230,11 @@ def write_kv(layer: torch.nn.Module, k: torch.Tensor, v: torch.Tensor, slots: to
 
 
 def check_layers(layers, settings: FillSettings) -> None:
-    """Refuse a model whose deep layers this step cannot fill (quantized or QK-normed)."""
-    for layer in layers[settings.split :]:
+    """Refuse a model whose deep layers (and score layer) this step cannot fill or score (quantized
+    or QK-normed)."""
+    at = settings.query_layer
+    below = [layers[at]] if at is not None and at < settings.split else []
+    for layer in [*below, *layers[settings.split :]]:
         attn = layer.self_attn
         if getattr(attn, "qk_norm", False):
             raise RidgefillError("RidgeFill in vLLM does not support per-head QK norms yet")
