@@ -174,8 +174,11 @@ class VllmFill:
 
 
 def _check_scoring(method: str, settings: FillSettings) -> None:
-    """Refuse a query layer above the split for a method whose maps predict no layer input."""
-    if settings.scores_above and method != "ridge":
+    """Refuse a query layer above the split for a method whose maps predict no layer input (in any
+    length bucket's query rows: the layer is shared, so it is refused even where the flat settings
+    have none)."""
+    q = settings.query_layer
+    if q is not None and q > settings.split and method != "ridge":
         raise RidgefillError(
             f"{PREFIX}query_layer {settings.query_layer} above the split scores on the ridge maps' "
             f"prediction; {method} makes none (a layer below the split {settings.split} scores on its exact input)"
