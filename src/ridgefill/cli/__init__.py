@@ -123,7 +123,7 @@ def vllm_fill_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--query-last", type=int, default=None)
     p.add_argument("--query-sentence", type=int, default=None, help="spans cover sentences up to N tokens each side")
     p.add_argument("--query-pool", type=int, default=None, help="scores averaged over N neighbouring tokens")
-    p.add_argument("--query-layer", type=int, default=None, help="score at this layer, on the maps' prediction")
+    p.add_argument("--query-layer", type=int, default=None, help="score at layer N (above the split: maps' prediction)")
     p.add_argument("--query-top", type=int, default=None, help="per head, mean of the N queries attending most")
 
 
