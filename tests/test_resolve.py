@@ -275,6 +275,31 @@ def test_tuned_refuses_settings_no_bucket_has(monkeypatch, tmp_path):
     assert resolve_prefill(lm, "tuned", maps=tmp_path, split=0).settings.split == 0
 
 
+def test_a_shipped_calibration_size_sets_the_fit_default_and_flags_smaller_cached_maps(monkeypatch, tmp_path, caplog):
+    from ridgefill.fit.maps import maps_filename, save_maps
+    from ridgefill.fit.ridge import CALIB_TOKENS, FitConfig, default_calib_tokens, fit_maps
+
+    lm = make_tiny("llama")
+    segs = [torch.randint(3, 250, (96,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(8)]
+    (ridge,) = fit_maps(lm, segs[:6], segs[6:], FitConfig(splits=(1,), methods=("ridge",), segment_tokens=96))[0]
+    save_maps(ridge, tmp_path / maps_filename(lm.name, "ridge", 1))
+    entry = {"method": "ridge", "settings": {"split": 1, "sink": 2, "tail": 8}}
+    for named, default in ((None, CALIB_TOKENS), (True, CALIB_TOKENS), (-5, CALIB_TOKENS), (4096, 4096)):
+        monkeypatch.setattr(tuned, "shipped_defaults", lambda n=named: {"tiny-llama": {**entry, "calib_tokens": n}})
+        assert default_calib_tokens("tiny-llama") == default and default_calib_tokens("other") == CALIB_TOKENS
+    with caplog.at_level("WARNING"):  # 6 segments of 96 tokens: fewer than the 4096 named
+        resolve_prefill(lm, "tuned", maps=tmp_path)
+        resolve_prefill(lm, "ridge", split=1, maps=tmp_path)  # a method named with its settings: no warning
+    said = [r.getMessage() for r in caplog.records if "calibration tokens" in r.getMessage()]
+    assert len(said) == 1 and "fitted on 576 calibration tokens" in said[0] and "fitted on 4096" in said[0]
+    assert "`ridgefill fit --model tiny-llama --dtype float32 --splits 1`" in said[0]
+    caplog.clear()
+    monkeypatch.setattr(tuned, "shipped_defaults", lambda: {"tiny-llama": {**entry, "calib_tokens": 576}})
+    with caplog.at_level("WARNING"):
+        resolve_prefill(lm, "tuned", maps=tmp_path)
+    assert "calibration tokens" not in caplog.text
+
+
 def test_given_maps_decide_the_default_and_a_settings_object_counts_what_differs(tmp_path):
     from ridgefill.fit.maps import save_maps
     from ridgefill.fit.ridge import FitConfig, fit_maps

@@ -167,7 +167,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     f.add_argument("--methods", default="ridge,kva", help="ridge and/or kva")
     f.add_argument("--corpus", default=None, help="text file, .jsonl or folder (default: Python 3.11 docs)")
-    f.add_argument("--calib-tokens", type=int, default=16384)
+    f.add_argument(
+        "--calib-tokens",
+        type=int,
+        default=None,
+        help="calibration tokens (default: as many as the maps behind the model's shipped tuned "
+        "configuration were fitted on, else 16384)",
+    )
     f.add_argument(
         "--calib-facts",
         type=int,

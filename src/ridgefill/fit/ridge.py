@@ -261,15 +261,27 @@ def _version() -> str:
     return __version__
 
 
+CALIB_TOKENS = 16384  # calibration text of a fit, unless the model's shipped configuration names more
+
+
+def default_calib_tokens(model_name: str) -> int:
+    """Calibration tokens of a fit that names none: what the maps behind the model's shipped tuned
+    configuration were fitted on, else `CALIB_TOKENS`."""
+    from ridgefill.methods.tuned import shipped_calib_tokens
+
+    return shipped_calib_tokens(model_name) or CALIB_TOKENS
+
+
 def fit_from_corpus(
     lm: LoadedModel,
     cfg: FitConfig,
     corpus: str | None = None,
-    calib_tokens: int = 16384,
+    calib_tokens: int | None = None,
     heldout_tokens: int = 4096,
     out_dir: Path | None = None,
 ) -> tuple[list[Path], dict]:
-    """Fit on a corpus's calibration documents, choose lambda on its held-out ones, save the maps.
+    """Fit on a corpus's calibration documents (`calib_tokens`, default `default_calib_tokens`),
+    choose lambda on its held-out ones, save the maps.
 
     Returns (map paths, report with the corpus provenance).
     """
@@ -279,6 +291,7 @@ def fit_from_corpus(
 
     docs = load_corpus(corpus)
     seg = cfg.segment_tokens
+    calib_tokens = default_calib_tokens(lm.name) if calib_tokens is None else calib_tokens
     calib, calib_docs = token_segments(lm.tokenizer, docs.part("calib"), seg, calib_tokens)
     calib = with_facts(lm.tokenizer, calib, cfg.facts)
     heldout, heldout_docs = token_segments(lm.tokenizer, docs.part("heldout"), seg, heldout_tokens)

@@ -27,6 +27,7 @@ from ridgefill.methods.gate import GateSettings
 from ridgefill.methods.registry import METHODS, get_method, maps_read, reads_maps
 from ridgefill.methods.tuned import (
     TUNED,
+    check_calibration,
     default_method,
     for_length,
     has_tuned,
@@ -308,6 +309,8 @@ def resolve_prefill(
         own = cfg.maps is not None and read == (cfg.maps.method, cfg.maps.split)
         where = cfg.maps if own else cfg.folder
         one = _resolve(lm, label, b.method, {**b.settings, **asked}, asked, where, fit_missing, corpus)
+        if cfg.maps is None and one.maps is not None:  # shipped settings on the user's own maps
+            check_calibration(lm.name, one.maps, lm.dtype_name)
         chosen.append((b.up_to, one))
     first = chosen[0][1]
     return first if len(chosen) == 1 else replace(first, by_length=tuple(chosen))

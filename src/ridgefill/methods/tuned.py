@@ -70,6 +70,32 @@ def shipped_defaults() -> dict:
     return json.loads(resources.files("ridgefill").joinpath("data/tuned.json").read_text())["models"]
 
 
+def shipped_calib_tokens(name: str) -> int | None:
+    """The calibration tokens the maps behind `name`'s shipped configuration were fitted on, where it
+    names them (`calib_tokens`); None: the fit's own default."""
+    entry = shipped_defaults().get(name)
+    n = entry.get("calib_tokens") if isinstance(entry, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+def check_calibration(name: str, maps: FillMaps, dtype: str) -> None:
+    """Warn (once per model and split) where cached maps were fitted on less calibration text than
+    the maps the shipped configuration was measured with: they run, with a larger fill error."""
+    want = shipped_calib_tokens(name)
+    have = (maps.header.get("fit") or {}).get("calib_tokens")
+    if want is not None and isinstance(have, int) and have < want:
+        _say_calibration(name, maps.split, have, want, dtype)
+
+
+@functools.cache
+def _say_calibration(name: str, split: int, have: int, want: int, dtype: str) -> None:
+    log.warning(
+        "the cached maps of %s at split %d were fitted on %d calibration tokens; its tuned configuration was "
+        "measured with maps fitted on %d: refit them with `ridgefill fit --model %s --dtype %s --splits %d`",
+        *(name, split, have, want, name, dtype, split),
+    )
+
+
 def has_tuned(lm: LoadedModel, maps: Path | str | None = None) -> bool:
     """Whether `tuned` resolves for this model: a bundle in the map folder (`maps`, default the
     cache folder), or a shipped default."""

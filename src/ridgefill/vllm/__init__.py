@@ -81,7 +81,8 @@ def prepare(
     arch = (config.get("architectures") or ["?"])[0]
     torch_dtype = pick_dtype(dtype, pick_device("auto"))
     method = method or (_maps_method(maps) if maps is not None else "ridge")
-    if method == "tuned":
+    tuned = method == "tuned"
+    if tuned:
         method, settings, tuned_by_length = _tuned(name, settings)
         by_length = by_length if by_length is not None else tuned_by_length
     probes = None
@@ -95,6 +96,10 @@ def prepare(
     if loaded is not None:
         _check_weights(folder, probes or _checkpoint_probes(folder, config), loaded, torch_dtype, fill.maps_path)
         fill = fill.with_split(loaded.split)
+        if tuned:
+            from ridgefill.methods.tuned import check_calibration
+
+            check_calibration(name, loaded, _DTYPE_NAMES[torch_dtype])
     return Prepared(folder, _DTYPE_NAMES[torch_dtype], hf, fill)
 
 
