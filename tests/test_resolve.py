@@ -292,7 +292,7 @@ def test_a_shipped_calibration_size_sets_the_fit_default_and_flags_smaller_cache
         resolve_prefill(lm, "ridge", split=1, maps=tmp_path)  # a method named with its settings: no warning
     said = [r.getMessage() for r in caplog.records if "calibration tokens" in r.getMessage()]
     assert len(said) == 1 and "fitted on 576 calibration tokens" in said[0] and "fitted on 4096" in said[0]
-    assert "`ridgefill fit --model tiny-llama --dtype float32 --splits 1`" in said[0]
+    assert "`ridgefill fit --model tiny-llama --dtype float32 --splits 1 --methods ridge`" in said[0]
     caplog.clear()
     monkeypatch.setattr(tuned, "shipped_defaults", lambda: {"tiny-llama": {**entry, "calib_tokens": 576}})
     with caplog.at_level("WARNING"):

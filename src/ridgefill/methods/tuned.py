@@ -84,15 +84,15 @@ def check_calibration(name: str, maps: FillMaps, dtype: str) -> None:
     want = shipped_calib_tokens(name)
     have = (maps.header.get("fit") or {}).get("calib_tokens")
     if want is not None and isinstance(have, int) and have < want:
-        _say_calibration(name, maps.split, have, want, dtype)
+        _say_calibration(name, maps.method, maps.split, have, want, dtype)
 
 
 @functools.cache
-def _say_calibration(name: str, split: int, have: int, want: int, dtype: str) -> None:
+def _say_calibration(name: str, method: str, split: int, have: int, want: int, dtype: str) -> None:
     log.warning(
-        "the cached maps of %s at split %d were fitted on %d calibration tokens; its tuned configuration was "
-        "measured with maps fitted on %d: refit them with `ridgefill fit --model %s --dtype %s --splits %d`",
-        *(name, split, have, want, name, dtype, split),
+        "the %s maps of %s at split %d were fitted on %d calibration tokens; its tuned configuration was measured "
+        "with maps fitted on %d: refit them with `ridgefill fit --model %s --dtype %s --splits %d --methods %s`",
+        *(method, name, split, have, want, name, dtype, split, method),
     )
 
 
