@@ -19,7 +19,7 @@ from importlib import resources
 from pathlib import Path
 
 from ridgefill.errors import MapError
-from ridgefill.fit.maps import FillMaps, default_maps_dir, load_maps
+from ridgefill.fit.maps import FillMaps, calib_info, default_maps_dir, load_maps
 from ridgefill.models.loading import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ def check_calibration(name: str, maps: FillMaps, dtype: str) -> None:
     """Warn (once per model and split) where cached maps were fitted on less calibration text than
     the maps the shipped configuration was measured with: they run, with a larger fill error."""
     want = shipped_calib_tokens(name)
-    have = (maps.header.get("fit") or {}).get("calib_tokens")
+    have = calib_info(maps)["tokens"]
     if want is not None and isinstance(have, int) and have < want:
         _say_calibration(name, maps.method, maps.split, have, want, dtype)
 
