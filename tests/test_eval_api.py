@@ -293,3 +293,52 @@ def test_needles_refuses_layers_with_methods_or_outside_the_model(capsys):
     assert "drop --methods" in capsys.readouterr().err
     assert main(["experimental", "needles", "--layers", "20-40", "--samples", "1"]) == 2
     assert "layers must lie within 1..29" in capsys.readouterr().err
+
+
+def test_margins_sets_exacts_log_probabilities_of_both_answers_where_they_part(tmp_path, capsys):
+    from ridgefill.corpus import DEFAULT_CORPUS_DIR
+
+    if not DEFAULT_CORPUS_DIR.is_dir():
+        pytest.skip("needs Debian's python3.11-doc (`make` installs it)")
+    method = "identity:tail=64"
+    common = ["--tasks", "niah_single_2", "--samples", "2", "--split", "15", "--methods", method]
+    assert main(["eval", "--lengths", "512", *common, "--out", str(tmp_path / "e.json")]) == 0
+    cache = tmp_path / "e.samples.jsonl"
+    rows = [json.loads(line) for line in cache.read_text().splitlines()]
+    exact = {r["prompt"]: r for r in rows if r["method"] == "exact"}
+    # The method's answer to the first prompt becomes exact's with its third character changed and
+    # the other score; on the second prompt it scores as exact did, so only the first differs.
+    changed = None
+    for r in rows:
+        e = exact[r["prompt"]]
+        if r["method"] == method and changed is None:
+            text = e["prediction"]
+            r["prediction"] = text[:2] + ("7" if text[2:3] != "7" else "3") + text[3:]
+            r["score"], changed = 100.0 - e["score"], r
+        elif r["method"] == method:
+            r["score"] = e["score"]
+    cache.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    capsys.readouterr()
+    argv = [
+        "experimental",
+        "margins",
+        "--length",
+        "512",
+        *common,
+        "--cache",
+        str(cache),
+        "--out",
+        str(tmp_path / "m.json"),
+    ]
+    assert main(argv) == 0
+    assert f"| niah_single_2 | {changed['index']} |" in capsys.readouterr().out
+    (got,) = json.loads((tmp_path / "m.json").read_text())["records"]
+    assert got["prompt"] == changed["prompt"] and got["method"]["prediction"] == changed["prediction"]
+    j = got["parting_token"]
+    # Teacher-forced on the same prompt, both answers share their log-probabilities up to where they
+    # part; there, exact's greedy token is at least as likely as the changed one.
+    assert j is not None and got["exact_logprobs"][:j] == got["method_logprobs"][:j]
+    assert got["exact_token"] != got["method_token"] and got["margin_nats"] >= 0
+    assert got["margin_nats"] == round(got["exact_logprobs"][j] - got["method_logprobs"][j], 4)
+    assert main([*argv[:-2], "--methods", f"exact,{method},identity"]) == 2
+    assert "name one method besides exact" in capsys.readouterr().err

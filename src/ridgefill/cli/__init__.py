@@ -20,6 +20,7 @@ from ridgefill.cli.measure import (
     cmd_eval,
     cmd_fill_error,
     cmd_fit,
+    cmd_margins,
     cmd_needles,
     cmd_ppl,
     cmd_vllm_bench,
@@ -73,6 +74,9 @@ EXAMPLES = {
   ridgefill experimental needles --methods ridge:query_rows=512 --split 15 --samples 50 \\
       --scores results/samples/eval_smollm2-135m_4k.samples.jsonl --out needles_q512.json
   ridgefill experimental needles --layers 4-11 --length 8192 --samples 10 --domain prose""",
+    "margins": """examples:
+  ridgefill experimental margins --model qwen2.5-0.5b --dtype bfloat16 --tasks niah_multikey_1 --length 16384 \\
+      --samples 20 --methods ridge:split=10:tail=512:query_rows=1536 --cache eval_16k.samples.jsonl""",
     "tune": """examples:
   ridgefill tune --model smollm2-135m --budget-niah 2 --budget-ppl 5
   ridgefill tune --model qwen2.5-0.5b --splits 8,10,12 --out results/tune_qwen.json --plot results/tune_qwen.png
@@ -335,7 +339,7 @@ def add_experimental(sub, fmt) -> None:
     """`ridgefill experimental ...`: research tools, kept apart so the main commands stay small."""
     x = sub.add_parser(
         "experimental",
-        help="research tools: fill-error, ablation, needles",
+        help="research tools: fill-error, ablation, needles, margins",
         description="Research tools for studying the fill; their outputs and options may change.",
         formatter_class=fmt,
     )
@@ -392,6 +396,24 @@ def add_experimental(sub, fmt) -> None:
     d.add_argument("--scores", type=Path, default=None, help="an eval per-sample JSONL cache: join its scores")
     d.add_argument("--out", type=Path, default=None, help="JSON output")
     d.set_defaults(func=cmd_needles)
+
+    g = sub.add_parser(
+        "margins",
+        help="where a method's answer differs from exact's: how close exact came to it (no decode)",
+        epilog=EXAMPLES["margins"],
+        formatter_class=fmt,
+    )
+    model_args(g)
+    g.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_single_3,niah_multikey_1")
+    g.add_argument("--length", type=int, default=4096)
+    g.add_argument("--samples", type=int, default=50, help="samples per task (eval's prompts with the same seed)")
+    g.add_argument("--methods", required=True, help="the one method whose cached answers are set against exact's")
+    fill_args(g)
+    g.add_argument("--seed", type=int, default=42)
+    text_args(g, "your own essay haystack: file, .jsonl or folder (evaluation split is used)")
+    g.add_argument("--cache", type=Path, required=True, help="the eval per-sample JSONL cache holding both methods")
+    g.add_argument("--out", type=Path, default=None, help="JSON output")
+    g.set_defaults(func=cmd_margins)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -315,6 +315,27 @@ def cmd_needles(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_margins(args: argparse.Namespace) -> int:
+    from ridgefill.eval import margins
+    from ridgefill.eval.ruler import NIAH_TASKS
+    from ridgefill.results import write_json
+
+    if not args.cache.is_file():
+        raise RidgefillError(f"eval cache not found: {args.cache}")
+    tasks, lm, specs, corpus, essay = _ruler_setup(args, [args.length], NIAH_TASKS, "not needle task(s):", eval_corpus)
+    if len(specs) != 1:
+        raise RidgefillError("name one method besides exact: the one whose cached answers are set against exact's")
+    spec = specs[0]
+    records = margins.margin_records(lm, spec, list(tasks), args.length, args.samples, essay, args.cache, args.seed)
+    print(f"text: {corpus.describe()}")
+    print(margins.markdown(records, spec.label))
+    if args.out:
+        body = {"model": lm.name, "length": args.length, "method": spec.label, "records": records}
+        write_json(args.out, body, args.argv)
+        print(f"written to {args.out}")
+    return 0
+
+
 def layer_range(text: str, num_layers: int) -> list[int]:
     """Layers named as "4-11" (inclusive) and/or "5,7,11", each within 1..num_layers - 1."""
     out: set[int] = set()

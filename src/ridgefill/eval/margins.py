@@ -1,0 +1,114 @@
+"""`ridgefill experimental margins`: how close exact came to the answer a method gave instead.
+
+What it is: for the prompts where a method and exact score differently in an eval cache (same
+prompts, same configuration keys), the stock model's teacher-forced log-probabilities of both
+answers after the prompt: the first token where the two answers part, and exact's margin there
+(the log-probability of its own token less that of the method's). A margin of a tenth of a nat
+says exact's answer was itself a near tie, one any change to the cache can tip; a margin of
+several nats says the method lost something exact read clearly. What it is not: an evaluation
+(it decodes nothing; answers come from the cache).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ridgefill.eval.adapter import config_key, prepare, prompt_key
+from ridgefill.eval.runner import read_records
+from ridgefill.methods import Prefill
+from ridgefill.models.loading import LoadedModel
+
+
+def answer_logprobs(lm: LoadedModel, input_ids: torch.Tensor, text: str) -> tuple[list[int], list[float]]:
+    """`text`'s tokens and the stock model's log-probability of each, teacher-forced after the prompt."""
+    tokens = lm.tokenizer.encode(text, add_special_tokens=False)
+    if not tokens:
+        return [], []
+    answer = torch.tensor([tokens], device=input_ids.device)
+    with torch.no_grad():
+        out = lm.model(input_ids=torch.cat([input_ids, answer], 1), logits_to_keep=len(tokens) + 1)
+    logp = torch.log_softmax(out.logits[0, :-1].float(), -1)
+    return tokens, [round(logp[j, t].item(), 4) for j, t in enumerate(tokens)]
+
+
+def parting(lm: LoadedModel, input_ids: torch.Tensor, exact_text: str, method_text: str) -> dict:
+    """Where two answers to one prompt part, and exact's log-probabilities of each token there."""
+    a, a_lp = answer_logprobs(lm, input_ids, exact_text)
+    b, b_lp = answer_logprobs(lm, input_ids, method_text)
+    j = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+    out = {"exact_logprobs": a_lp, "method_logprobs": b_lp, "parting_token": j}
+    if j is None:  # one answer is the other's prefix: they part at an end, not at a token
+        return {**out, "exact_token": None, "method_token": None, "margin_nats": None}
+    decode = lm.tokenizer.decode
+    return {
+        **out,
+        "exact_token": decode([a[j]]),
+        "method_token": decode([b[j]]),
+        "margin_nats": round(a_lp[j] - b_lp[j], 4),
+    }
+
+
+def margin_records(
+    lm: LoadedModel,
+    spec: Prefill,
+    tasks: list[str],
+    length: int,
+    samples: int,
+    essay: list[str],
+    cache: Path,
+    seed: int = 42,
+) -> list[dict]:
+    """One record per prompt where `spec`'s cached score differs from exact's (both cached under
+    their current configuration keys), with `parting` of their two answers."""
+    keys = {p.label: config_key(lm, p) for p in (Prefill("exact", "exact"), spec)}
+    cached = {(r["prompt"], r["method"], r.get("config")): r for r in read_records(cache)}
+    out = []
+    bar = tqdm(total=len(tasks) * samples, desc=f"margins {lm.name}", unit="prompt")
+    for task in tasks:
+        for p in prepare(lm, task, length, samples, seed, essay):
+            bar.update()
+            key = prompt_key(p.input_ids)
+            ex, m = (cached.get((key, label, c)) for label, c in keys.items())
+            if ex is None or m is None or ex["score"] == m["score"]:
+                continue
+            out.append(
+                {
+                    "task": task,
+                    "length": length,
+                    "index": p.sample.index,
+                    "prompt": key,
+                    "depth": round(p.depth, 4),
+                    "answers": p.sample.answers,
+                    "exact": {"prediction": ex["prediction"], "score": ex["score"]},
+                    "method": {"prediction": m["prediction"], "score": m["score"], "needle_full": m.get("needle_full")},
+                    **parting(lm, p.input_ids, ex["prediction"], m["prediction"]),
+                }
+            )
+    bar.close()
+    return out
+
+
+def markdown(records: list[dict], method: str) -> str:
+    """A row per differing prompt: both answers, where they part and exact's margin there."""
+    if not records:
+        return f"{method} and exact score the same on every cached prompt."
+    lines = [
+        f"Prompts where {method} and exact differ (exact's teacher-forced log-probabilities):",
+        "",
+        "| task | # | answer | exact | method | needle ran fully | parting tokens (exact / method) "
+        "| exact's margin (nats) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in records:
+        e, m = r["exact"], r["method"]
+        part = "-" if r["parting_token"] is None else f"{r['exact_token']!r} / {r['method_token']!r}"
+        margin = "-" if r["margin_nats"] is None else f"{r['margin_nats']:+.3f}"
+        full = "-" if m["needle_full"] is None else f"{m['needle_full']:.2f}"
+        lines.append(
+            f"| {r['task']} | {r['index']} | {r['answers'][0]} | {e['prediction'].strip()} ({e['score']:.0f}) "
+            f"| {m['prediction'].strip()} ({m['score']:.0f}) | {full} | {part} | {margin} |"
+        )
+    return "\n".join(lines)
