@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ridgefill.eval.adapter import config_key, prepare, prompt_key
+from ridgefill.eval.adapter import Prepared, config_key, prepare, prompt_key
 from ridgefill.eval.runner import read_records
 from ridgefill.methods import Prefill
 from ridgefill.models.loading import LoadedModel
@@ -69,26 +69,27 @@ def margin_records(
     bar = tqdm(total=len(tasks) * samples, desc=f"margins {lm.name}", unit="prompt")
     for task in tasks:
         for p in prepare(lm, task, length, samples, seed, essay):
-            bar.update()
             key = prompt_key(p.input_ids)
             ex, m = (cached.get((key, label, c)) for label, c in keys.items())
-            if ex is None or m is None or ex["score"] == m["score"]:
-                continue
-            out.append(
-                {
-                    "task": task,
-                    "length": length,
-                    "index": p.sample.index,
-                    "prompt": key,
-                    "depth": round(p.depth, 4),
-                    "answers": p.sample.answers,
-                    "exact": {"prediction": ex["prediction"], "score": ex["score"]},
-                    "method": {"prediction": m["prediction"], "score": m["score"], "needle_full": m.get("needle_full")},
-                    **parting(lm, p.input_ids, ex["prediction"], m["prediction"]),
-                }
-            )
+            if ex is not None and m is not None and ex["score"] != m["score"]:
+                out.append(_record(lm, task, length, p, ex, m))
+            bar.update()
     bar.close()
     return out
+
+
+def _record(lm: LoadedModel, task: str, length: int, p: Prepared, ex: dict, m: dict) -> dict:
+    return {
+        "task": task,
+        "length": length,
+        "index": p.sample.index,
+        "prompt": prompt_key(p.input_ids),
+        "depth": round(p.depth, 4),
+        "answers": p.sample.answers,
+        "exact": {"prediction": ex["prediction"], "score": ex["score"]},
+        "method": {"prediction": m["prediction"], "score": m["score"], "needle_full": m.get("needle_full")},
+        **parting(lm, p.input_ids, ex["prediction"], m["prediction"]),
+    }
 
 
 def markdown(records: list[dict], method: str) -> str:
