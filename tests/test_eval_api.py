@@ -8,6 +8,7 @@ only what a changed configuration invalidates.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -223,15 +224,20 @@ def test_eval_cli_refuses_bad_input(capsys, tmp_path, smollm2_maps):
     assert not (tmp_path / "e.json").exists()
 
 
-def test_needles_agrees_with_the_eval_records(tmp_path, capsys):
+def _two_prompt_eval(tmp_path, method: str) -> tuple[list[str], Path]:
+    """Eval's options for 2 `niah_single_2` prompts under exact and `method` (no length), and the
+    cache of their records at 512 tokens."""
     from ridgefill.corpus import DEFAULT_CORPUS_DIR
 
     if not DEFAULT_CORPUS_DIR.is_dir():
         pytest.skip("needs Debian's python3.11-doc (`make` installs it)")
-    method = "identity:query_rows=64:query_window=16:tail=64"
     common = ["--tasks", "niah_single_2", "--samples", "2", "--split", "15", "--methods", method]
     assert main(["eval", "--lengths", "512", *common, "--out", str(tmp_path / "e.json")]) == 0
-    cache = tmp_path / "e.samples.jsonl"
+    return common, tmp_path / "e.samples.jsonl"
+
+
+def test_needles_agrees_with_the_eval_records(tmp_path, capsys):
+    common, cache = _two_prompt_eval(tmp_path, "identity:query_rows=64:query_window=16:tail=64")
     assert (
         main(
             [
@@ -296,14 +302,8 @@ def test_needles_refuses_layers_with_methods_or_outside_the_model(capsys):
 
 
 def test_margins_sets_exacts_log_probabilities_of_both_answers_where_they_part(tmp_path, capsys):
-    from ridgefill.corpus import DEFAULT_CORPUS_DIR
-
-    if not DEFAULT_CORPUS_DIR.is_dir():
-        pytest.skip("needs Debian's python3.11-doc (`make` installs it)")
     method = "identity:tail=64"
-    common = ["--tasks", "niah_single_2", "--samples", "2", "--split", "15", "--methods", method]
-    assert main(["eval", "--lengths", "512", *common, "--out", str(tmp_path / "e.json")]) == 0
-    cache = tmp_path / "e.samples.jsonl"
+    common, cache = _two_prompt_eval(tmp_path, method)
     rows = [json.loads(line) for line in cache.read_text().splitlines()]
     exact = {r["prompt"]: r for r in rows if r["method"] == "exact"}
     # The method's answer to the first prompt becomes exact's with its third character changed and

@@ -335,6 +335,20 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def needle_tool(sub, name: str, summary: str, fmt) -> argparse.ArgumentParser:
+    """A research tool that remakes eval's needle prompts: its parser with the model, the prompts
+    (tasks, length, samples, seed, haystack text) and fill settings."""
+    p = sub.add_parser(name, help=summary, epilog=EXAMPLES[name], formatter_class=fmt)
+    model_args(p)
+    p.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_single_3,niah_multikey_1")
+    p.add_argument("--length", type=int, default=4096)
+    p.add_argument("--samples", type=int, default=50, help="samples per task (eval's prompts with the same seed)")
+    fill_args(p)
+    p.add_argument("--seed", type=int, default=42)
+    text_args(p, "your own essay haystack: file, .jsonl or folder (evaluation split is used)")
+    return p
+
+
 def add_experimental(sub, fmt) -> None:
     """`ridgefill experimental ...`: research tools, kept apart so the main commands stay small."""
     x = sub.add_parser(
@@ -371,16 +385,7 @@ def add_experimental(sub, fmt) -> None:
     a.add_argument("--out", type=Path, default=None, help="JSON output (a .md table is written beside it)")
     a.set_defaults(func=cmd_ablation)
 
-    d = sub.add_parser(
-        "needles",
-        help="did a method run the needle's rows? (no decode)",
-        epilog=EXAMPLES["needles"],
-        formatter_class=fmt,
-    )
-    model_args(d)
-    d.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_single_3,niah_multikey_1")
-    d.add_argument("--length", type=int, default=4096)
-    d.add_argument("--samples", type=int, default=50, help="samples per task (eval's prompts with the same seed)")
+    d = needle_tool(sub, "needles", "did a method run the needle's rows? (no decode)", fmt)
     d.add_argument(
         "--methods", default=None, help="variants as name:key=value (default: ridge:query_rows=512, unless --layers)"
     )
@@ -390,27 +395,12 @@ def add_experimental(sub, fmt) -> None:
         help="instead of methods: the needle's rank under the gate's row score at each of these layers' own "
         "attention, e.g. 4-11 or 5,7,11 (one dense pass per prompt)",
     )
-    fill_args(d)
-    d.add_argument("--seed", type=int, default=42)
-    text_args(d, "your own essay haystack: file, .jsonl or folder (evaluation split is used)")
     d.add_argument("--scores", type=Path, default=None, help="an eval per-sample JSONL cache: join its scores")
     d.add_argument("--out", type=Path, default=None, help="JSON output")
     d.set_defaults(func=cmd_needles)
 
-    g = sub.add_parser(
-        "margins",
-        help="where a method's answer differs from exact's: how close exact came to it (no decode)",
-        epilog=EXAMPLES["margins"],
-        formatter_class=fmt,
-    )
-    model_args(g)
-    g.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_single_3,niah_multikey_1")
-    g.add_argument("--length", type=int, default=4096)
-    g.add_argument("--samples", type=int, default=50, help="samples per task (eval's prompts with the same seed)")
+    g = needle_tool(sub, "margins", "where a method's answer differs from exact's: how close exact came to it", fmt)
     g.add_argument("--methods", required=True, help="the one method whose cached answers are set against exact's")
-    fill_args(g)
-    g.add_argument("--seed", type=int, default=42)
-    text_args(g, "your own essay haystack: file, .jsonl or folder (evaluation split is used)")
     g.add_argument("--cache", type=Path, required=True, help="the eval per-sample JSONL cache holding both methods")
     g.add_argument("--out", type=Path, default=None, help="JSON output")
     g.set_defaults(func=cmd_margins)
