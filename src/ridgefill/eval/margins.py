@@ -72,18 +72,18 @@ def margin_records(
             key = prompt_key(p.input_ids)
             ex, m = (cached.get((key, label, c)) for label, c in keys.items())
             if ex is not None and m is not None and ex["score"] != m["score"]:
-                out.append(_record(lm, task, length, p, ex, m))
+                out.append(_record(lm, task, length, p, key, ex, m))
             bar.update()
     bar.close()
     return out
 
 
-def _record(lm: LoadedModel, task: str, length: int, p: Prepared, ex: dict, m: dict) -> dict:
+def _record(lm: LoadedModel, task: str, length: int, p: Prepared, key: str, ex: dict, m: dict) -> dict:
     return {
         "task": task,
         "length": length,
         "index": p.sample.index,
-        "prompt": prompt_key(p.input_ids),
+        "prompt": key,
         "depth": round(p.depth, 4),
         "answers": p.sample.answers,
         "exact": {"prediction": ex["prediction"], "score": ex["score"]},
