@@ -301,6 +301,30 @@ def test_needles_refuses_layers_with_methods_or_outside_the_model(capsys):
     assert "layers must lie within 1..29" in capsys.readouterr().err
 
 
+class _ByteTokenizer:
+    def encode(self, text, add_special_tokens=False):
+        return list(text.encode())
+
+
+def test_answer_logprobs_from_one_prompt_pass_match_the_whole_sequence_teacher_forced(tiny):
+    from dataclasses import replace
+
+    from ridgefill.eval.margins import answer_logprobs
+
+    lm = replace(tiny, tokenizer=_ByteTokenizer())
+    prompt = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(3))
+    texts = ["7391", "7", "7318", ""]
+    got = answer_logprobs(lm, prompt, texts)
+    for text, (tokens, logps) in zip(texts, got, strict=True):
+        assert tokens == list(text.encode()) and len(logps) == len(tokens)
+        if not tokens:
+            continue
+        with torch.no_grad():  # the stock forward over prompt and answer at once
+            whole = lm.model(input_ids=torch.cat([prompt, torch.tensor([tokens])], 1)).logits[0, 39:-1]
+        want = torch.log_softmax(whole.float(), -1)[range(len(tokens)), tokens]
+        torch.testing.assert_close(torch.tensor(logps), want, atol=2e-4, rtol=0)
+
+
 def test_margins_sets_exacts_log_probabilities_of_both_answers_where_they_part(tmp_path, capsys):
     method = "identity:tail=64"
     common, cache = _two_prompt_eval(tmp_path, method)

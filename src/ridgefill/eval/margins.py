@@ -11,6 +11,7 @@ several nats says the method lost something exact read clearly. What it is not: 
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -19,25 +20,34 @@ from tqdm.auto import tqdm
 from ridgefill.eval.adapter import Prepared, config_key, prepare, prompt_key
 from ridgefill.eval.runner import read_records
 from ridgefill.methods import Prefill
+from ridgefill.models import hf
 from ridgefill.models.loading import LoadedModel
 
 
-def answer_logprobs(lm: LoadedModel, input_ids: torch.Tensor, text: str) -> tuple[list[int], list[float]]:
-    """`text`'s tokens and the stock model's log-probability of each, teacher-forced after the prompt."""
-    tokens = lm.tokenizer.encode(text, add_special_tokens=False)
-    if not tokens:
-        return [], []
-    answer = torch.tensor([tokens], device=input_ids.device)
+def answer_logprobs(lm: LoadedModel, input_ids: torch.Tensor, texts: list[str]) -> list[tuple[list[int], list[float]]]:
+    """Each text's tokens and the stock model's log-probability of each, teacher-forced after the
+    prompt. The prompt runs once; each answer continues from a copy of its cache."""
     with torch.no_grad():
-        out = lm.model(input_ids=torch.cat([input_ids, answer], 1), logits_to_keep=len(tokens) + 1)
-    logp = torch.log_softmax(out.logits[0, :-1].float(), -1)
-    return tokens, [round(logp[j, t].item(), 4) for j, t in enumerate(tokens)]
+        head, cache = hf.stock_forward(lm.model, input_ids, keep=1)
+        first = torch.log_softmax(head[0, -1].float(), -1)
+        out = []
+        for text in texts:
+            tokens = lm.tokenizer.encode(text, add_special_tokens=False)
+            if not tokens:
+                out.append(([], []))
+                continue
+            logp = first[None]
+            if len(tokens) > 1:
+                rest = torch.tensor([tokens[:-1]], device=input_ids.device)
+                tail, _ = hf.stock_forward(lm.model, rest, copy.deepcopy(cache))
+                logp = torch.cat([logp, torch.log_softmax(tail[0].float(), -1)])
+            out.append((tokens, [round(logp[j, t].item(), 4) for j, t in enumerate(tokens)]))
+    return out
 
 
 def parting(lm: LoadedModel, input_ids: torch.Tensor, exact_text: str, method_text: str) -> dict:
     """Where two answers to one prompt part, and exact's log-probabilities of each token there."""
-    a, a_lp = answer_logprobs(lm, input_ids, exact_text)
-    b, b_lp = answer_logprobs(lm, input_ids, method_text)
+    (a, a_lp), (b, b_lp) = answer_logprobs(lm, input_ids, [exact_text, method_text])
     j = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
     out = {"exact_logprobs": a_lp, "method_logprobs": b_lp, "parting_token": j}
     if j is None:  # one answer is the other's prefix: they part at an end, not at a token

@@ -254,11 +254,12 @@ def _cache_kwarg(model: PreTrainedModel) -> str:
 
 
 def stock_forward(
-    model: PreTrainedModel, input_ids: torch.Tensor, cache_obj: DynamicCache | None = None
+    model: PreTrainedModel, input_ids: torch.Tensor, cache_obj: DynamicCache | None = None, keep: int = 0
 ) -> tuple[torch.Tensor, DynamicCache]:
-    """The unmodified model's forward: logits (B, T, V) and the cache it extended or made."""
+    """The unmodified model's forward: logits (B, T, V), or of the last `keep` positions when
+    `keep` > 0, and the cache it extended or made."""
     kwargs = {_cache_kwarg(model): cache_obj} if cache_obj is not None else {}
-    out = model(input_ids=input_ids, use_cache=True, **kwargs)
+    out = model(input_ids=input_ids, use_cache=True, logits_to_keep=keep, **kwargs)
     new = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
     return out.logits, new
 
