@@ -366,3 +366,23 @@ def test_margins_sets_exacts_log_probabilities_of_both_answers_where_they_part(t
     assert got["margin_nats"] == round(got["exact_logprobs"][j] - got["method_logprobs"][j], 4)
     assert main([*argv[:-2], "--methods", f"exact,{method},identity"]) == 2
     assert "name one method besides exact" in capsys.readouterr().err
+
+    # The same prompts scored again by the model at the other dtype: the same tokens part, and the
+    # other copy's log-probabilities are its own, close to the cache's dtype but not the same numbers.
+    dtype = json.loads((tmp_path / "e.json").read_text())["settings"]["dtype"]
+    other = "bfloat16" if dtype == "float32" else "float32"
+    assert main([*argv, "--rescore-dtype", other]) == 0
+    assert f"exact's margin in {other} (nats)" in capsys.readouterr().out
+    doc = json.loads((tmp_path / "m.json").read_text())
+    (again,) = doc["records"]
+    assert (doc["dtype"], doc["rescore_dtype"]) == (dtype, other)
+    assert {k: again[k] for k in got} == got
+    re = again["rescored"]
+    assert re["dtype"] == other and re["parting_token"] == j
+    assert re["margin_nats"] == round(re["exact_logprobs"][j] - re["method_logprobs"][j], 4)
+    for side in ("exact_logprobs", "method_logprobs"):
+        mine, theirs = re[side], got[side]
+        assert len(mine) == len(theirs) and mine != theirs
+        torch.testing.assert_close(torch.tensor(mine), torch.tensor(theirs), atol=0.5, rtol=0)
+    assert main([*argv, "--rescore-dtype", dtype]) == 2
+    assert f"--rescore-dtype {dtype} is the dtype the cache was computed in" in capsys.readouterr().err

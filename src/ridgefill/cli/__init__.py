@@ -76,7 +76,8 @@ EXAMPLES = {
   ridgefill experimental needles --layers 4-11 --length 8192 --samples 10 --domain prose""",
     "margins": """examples:
   ridgefill experimental margins --model qwen2.5-0.5b --dtype bfloat16 --tasks niah_multikey_1 --length 16384 \\
-      --samples 20 --methods ridge:split=10:tail=512:query_rows=1536 --cache eval_16k.samples.jsonl""",
+      --samples 20 --methods ridge:split=10:tail=512:query_rows=1536 --cache eval_16k.samples.jsonl \\
+      --rescore-dtype float32""",
     "tune": """examples:
   ridgefill tune --model smollm2-135m --budget-niah 2 --budget-ppl 5
   ridgefill tune --model qwen2.5-0.5b --splits 8,10,12 --out results/tune_qwen.json --plot results/tune_qwen.png
@@ -402,6 +403,12 @@ def add_experimental(sub, fmt) -> None:
     g = needle_tool(sub, "margins", "where a method's answer differs from exact's: how close exact came to it", fmt)
     g.add_argument("--methods", required=True, help="the one method whose cached answers are set against exact's")
     g.add_argument("--cache", type=Path, required=True, help="the eval per-sample JSONL cache holding both methods")
+    g.add_argument(
+        "--rescore-dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="also score both answers with the model at this dtype: does exact's own precision tip the tie?",
+    )
     g.add_argument("--out", type=Path, default=None, help="JSON output")
     g.set_defaults(func=cmd_margins)
 

@@ -326,11 +326,19 @@ def cmd_margins(args: argparse.Namespace) -> int:
     if len(specs) != 1:
         raise RidgefillError("name one method besides exact: the one whose cached answers are set against exact's")
     spec = specs[0]
-    records = margins.margin_records(lm, spec, list(tasks), args.length, args.samples, essay, args.cache, args.seed)
+    rescore = None
+    if args.rescore_dtype is not None:
+        if args.rescore_dtype == lm.dtype_name:
+            raise RidgefillError(f"--rescore-dtype {args.rescore_dtype} is the dtype the cache was computed in")
+        rescore = load(argparse.Namespace(**{**vars(args), "dtype": args.rescore_dtype}))
+    records = margins.margin_records(
+        lm, spec, list(tasks), args.length, args.samples, essay, args.cache, args.seed, rescore
+    )
     print(f"text: {corpus.describe()}")
     print(margins.markdown(records, spec.label))
     if args.out:
-        body = {"model": lm.name, "length": args.length, "method": spec.label, "records": records}
+        body = {"model": lm.name, "dtype": lm.dtype_name, "length": args.length, "method": spec.label}
+        body = {**body, "rescore_dtype": args.rescore_dtype, "records": records}
         write_json(args.out, body, args.argv)
         print(f"written to {args.out}")
     return 0

@@ -5,8 +5,10 @@ prompts, same configuration keys), the stock model's teacher-forced log-probabil
 answers after the prompt: the first token where the two answers part, and exact's margin there
 (the log-probability of its own token less that of the method's). A margin of a tenth of a nat
 says exact's answer was itself a near tie, one any change to the cache can tip; a margin of
-several nats says the method lost something exact read clearly. What it is not: an evaluation
-(it decodes nothing; answers come from the cache).
+several nats says the method lost something exact read clearly. With a second copy of the model at
+another dtype (`rescore`), each record also holds that copy's log-probabilities of both answers:
+whether exact's own precision tips the same tie. What it is not: an evaluation (it decodes
+nothing; answers come from the cache).
 """
 
 from __future__ import annotations
@@ -70,9 +72,11 @@ def margin_records(
     essay: list[str],
     cache: Path,
     seed: int = 42,
+    rescore: LoadedModel | None = None,
 ) -> list[dict]:
     """One record per prompt where `spec`'s cached score differs from exact's (both cached under
-    their current configuration keys), with `parting` of their two answers."""
+    their current configuration keys), with `parting` of their two answers; and under `rescored`
+    the same from `rescore`, the model at another dtype, when given."""
     keys = {p.label: config_key(lm, p) for p in (Prefill("exact", "exact"), spec)}
     cached = {(r["prompt"], r["method"], r.get("config")): r for r in read_records(cache)}
     out = []
@@ -82,14 +86,16 @@ def margin_records(
             key = prompt_key(p.input_ids)
             ex, m = (cached.get((key, label, c)) for label, c in keys.items())
             if ex is not None and m is not None and ex["score"] != m["score"]:
-                out.append(_record(lm, task, length, p, key, ex, m))
+                out.append(_record(lm, task, length, p, key, ex, m, rescore))
             bar.update()
     bar.close()
     return out
 
 
-def _record(lm: LoadedModel, task: str, length: int, p: Prepared, key: str, ex: dict, m: dict) -> dict:
-    return {
+def _record(
+    lm: LoadedModel, task: str, length: int, p: Prepared, key: str, ex: dict, m: dict, rescore: LoadedModel | None
+) -> dict:
+    out = {
         "task": task,
         "length": length,
         "index": p.sample.index,
@@ -100,26 +106,36 @@ def _record(lm: LoadedModel, task: str, length: int, p: Prepared, key: str, ex: 
         "method": {"prediction": m["prediction"], "score": m["score"], "needle_full": m.get("needle_full")},
         **parting(lm, p.input_ids, ex["prediction"], m["prediction"]),
     }
+    if rescore is not None:
+        ids = p.input_ids.to(rescore.device)
+        out["rescored"] = {"dtype": rescore.dtype_name, **parting(rescore, ids, ex["prediction"], m["prediction"])}
+    return out
 
 
 def markdown(records: list[dict], method: str) -> str:
     """A row per differing prompt: both answers, where they part and exact's margin there."""
     if not records:
         return f"{method} and exact score the same on every cached prompt."
+    other = next((r["rescored"]["dtype"] for r in records if "rescored" in r), None)
+    extra = "" if other is None else f" exact's margin in {other} (nats) |"
     lines = [
         f"Prompts where {method} and exact differ (exact's teacher-forced log-probabilities):",
         "",
         "| task | # | answer | exact | method | needle ran fully | parting tokens (exact / method) "
-        "| exact's margin (nats) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"| exact's margin (nats) |{extra}",
+        "| --- " * (8 if other is None else 9) + "|",
     ]
     for r in records:
         e, m = r["exact"], r["method"]
         part = "-" if r["parting_token"] is None else f"{r['exact_token']!r} / {r['method_token']!r}"
-        margin = "-" if r["margin_nats"] is None else f"{r['margin_nats']:+.3f}"
         full = "-" if m["needle_full"] is None else f"{m['needle_full']:.2f}"
         lines.append(
             f"| {r['task']} | {r['index']} | {r['answers'][0]} | {e['prediction'].strip()} ({e['score']:.0f}) "
-            f"| {m['prediction'].strip()} ({m['score']:.0f}) | {full} | {part} | {margin} |"
+            f"| {m['prediction'].strip()} ({m['score']:.0f}) | {full} | {part} | {_margin(r)} |"
+            + ("" if other is None else f" {_margin(r.get('rescored', {}))} |")
         )
     return "\n".join(lines)
+
+
+def _margin(r: dict) -> str:
+    return "-" if r.get("margin_nats") is None else f"{r['margin_nats']:+.3f}"
