@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ridgefill.cli.basic import cmd_demo, cmd_generate, cmd_models
-from ridgefill.cli.common import fill_args, model_args, text_args
+from ridgefill.cli.common import DTYPES, fill_args, model_args, text_args
 from ridgefill.cli.measure import (
     cmd_ablation,
     cmd_bench,
@@ -116,7 +116,7 @@ def vllm_fill_args(p: argparse.ArgumentParser) -> None:
     """RidgeFill's settings inside vLLM (ridgefill/vllm/config.py)."""
     p.add_argument("--maps", default=None, help="a map file from `ridgefill fit` (default: the model's cached maps)")
     p.add_argument("--method", default=None, help="ridge, kva, identity or off (default: the maps' method, else ridge)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
     p.add_argument(
         "--split", type=int, default=None, help="split layer of the cached maps or of identity (default: tuned split)"
     )
@@ -406,7 +406,7 @@ def add_experimental(sub, fmt) -> None:
     g.add_argument(
         "--rescore-dtype",
         default=None,
-        choices=["float32", "bfloat16", "float16"],
+        choices=DTYPES,
         help="also score both answers with the model at this dtype: does exact's own precision tip the tie?",
     )
     g.add_argument("--out", type=Path, default=None, help="JSON output")

@@ -8,6 +8,9 @@ from pathlib import Path
 
 from ridgefill.errors import RidgefillError
 
+# The compute dtypes a command may name (`--dtype` also takes "auto").
+DTYPES = ("float32", "bfloat16", "float16")
+
 # Command options that are also settings fields of the fill and gate methods.
 SETTING_OPTIONS = ("split", "sink", "tail", "query_rows")
 
@@ -19,7 +22,7 @@ def model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype",
         default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
+        choices=["auto", *DTYPES],
         help="compute dtype (auto: bf16 on CUDA and on CPUs where it runs faster, else float32)",
     )
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")

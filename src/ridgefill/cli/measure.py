@@ -337,8 +337,14 @@ def cmd_margins(args: argparse.Namespace) -> int:
     print(f"text: {corpus.describe()}")
     print(margins.markdown(records, spec.label))
     if args.out:
-        body = {"model": lm.name, "dtype": lm.dtype_name, "length": args.length, "method": spec.label}
-        body = {**body, "rescore_dtype": args.rescore_dtype, "records": records}
+        body = {
+            "model": lm.name,
+            "dtype": lm.dtype_name,
+            "length": args.length,
+            "method": spec.label,
+            "rescore_dtype": args.rescore_dtype,
+            "records": records,
+        }
         write_json(args.out, body, args.argv)
         print(f"written to {args.out}")
     return 0
