@@ -34,7 +34,12 @@ def test_ridge_beats_identity_on_tail_perplexity(maps_dir, tmp_path):
     argv = ["ppl", "--length", "1024", "--docs", "2", "--splits", "15", "--tail", "128", "--maps", str(maps_dir)]
     assert main([*argv, "--out", str(out)]) == 0
     rows = {r["method"]: r for r in json.loads(out.read_text())["ppl"]}
-    assert rows["exact"]["ppl_increase_pct"] == 0
+    assert rows["exact"]["ppl_increase_pct"] == 0 and rows["exact"]["doc_ppl_increase_pct"] == [0, 0]
+    ridge = rows["ridge@15"]
+    assert len(ridge["doc_nll"]) == 2 and abs(sum(ridge["doc_nll"]) / 2 - ridge["tail_nll"]) < 1e-4
+    lo, hi = ridge["ppl_increase_ci95"]
+    assert min(ridge["doc_ppl_increase_pct"]) - 0.01 <= lo <= ridge["ppl_increase_pct"] <= hi
+    assert hi <= max(ridge["doc_ppl_increase_pct"]) + 0.01
     assert rows["ridge@15"]["ppl"] < rows["identity@15"]["ppl"]
 
 

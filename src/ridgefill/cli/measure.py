@@ -123,10 +123,14 @@ def cmd_ppl(args: argparse.Namespace) -> int:
         f"{lm.name} ({lm.dtype_name}): tail perplexity of the last {tail} tokens, {len(docs)} evaluation documents "
         f"of {corpus.describe()}"
     )
-    print(f"{'method':<14} {'text':<8} {'tail NLL':>9} {'PPL':>8} {'vs exact':>9}")
+    print(f"{'method':<14} {'text':<8} {'tail NLL':>9} {'PPL':>8} {'vs exact':>9}  [95% CI]  per document")
     for r in rows:
         text = r["domain"] or "user"
-        print(f"{r['method']:<14} {text:<8} {r['tail_nll']:9.4f} {r['ppl']:8.3f} {r['ppl_increase_pct']:+8.1f}%")
+        each, (lo, hi) = r["doc_ppl_increase_pct"], r["ppl_increase_ci95"]
+        print(
+            f"{r['method']:<14} {text:<8} {r['tail_nll']:9.4f} {r['ppl']:8.3f} {r['ppl_increase_pct']:+8.1f}%  "
+            f"[{lo:+.1f}, {hi:+.1f}]  {min(each):+.1f}% to {max(each):+.1f}%"
+        )
     if args.out:
         info = corpus_info(corpus)
         write_json(args.out, {"model": lm.name, "dtype": lm.dtype_name, "corpus": info, "ppl": rows}, args.argv)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ridgefill.engine import Engine, LowerState, PrefillResult
+from ridgefill.eval.runner import bootstrap_ci
 from ridgefill.methods import Prefill
 
 
@@ -48,7 +49,13 @@ def tail_nll(engine: Engine, ids: list[int], spec: Prefill, tail: int, lower: Lo
 
 
 def tail_ppl(engine: Engine, docs: list[list[int]], specs: list[Prefill], tail: int) -> list[dict]:
-    """Every method on every document; returns one row per method with NLL, PPL and delta vs exact."""
+    """Every method on every document; returns one row per method with NLL, PPL and delta vs exact.
+
+    Each row also lists its per-document mean NLL (`doc_nll`, in document order) and, where exact
+    ran, each document's perplexity increase (`doc_ppl_increase_pct`) and a 95% bootstrap interval of
+    the increase over documents (`ppl_increase_ci95`): the spread across documents says how far a few
+    documents' mean can be trusted.
+    """
     nll = {s.label: [] for s in specs}
     for ids in tqdm(docs, desc="tail perplexity: documents", unit="doc"):
         lower = shared_lower(engine, torch.tensor([ids]), specs)
@@ -59,8 +66,11 @@ def tail_ppl(engine: Engine, docs: list[list[int]], specs: list[Prefill], tail: 
     for s in specs:
         mean = sum(nll[s.label]) / len(docs)
         row = {"method": s.label, "length": len(docs[0]), "docs": len(docs), "tail": tail}
-        row.update(tail_nll=round(mean, 5), ppl=round(math.exp(mean), 4))
+        row.update(tail_nll=round(mean, 5), ppl=round(math.exp(mean), 4), doc_nll=[round(x, 5) for x in nll[s.label]])
         if exact is not None:
             row["ppl_increase_pct"] = round(increase_pct(mean, exact), 2)
+            diffs = [m - e for m, e in zip(nll[s.label], nll["exact"], strict=True)]
+            row["doc_ppl_increase_pct"] = [round(increase_pct(d, 0.0), 2) for d in diffs]
+            row["ppl_increase_ci95"] = [round(increase_pct(d, 0.0), 2) for d in bootstrap_ci(diffs, digits=None)]
         rows.append(row)
     return rows
